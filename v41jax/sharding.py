@@ -1,0 +1,111 @@
+"""The device mesh and the one table mapping logical axis names to mesh axes.
+
+This is the only file that names mesh axes. Modules annotate parameters with logical names
+(`nn.with_logical_partitioning`) and activations with `nn.with_logical_constraint`; the rules
+below turn those names into `PartitionSpec`s over the mesh `(data, fsdp, tensor)`.
+
+Parameter axis names (`embed`, `mlp`, `heads`, ...) are kept apart from activation axis names
+(`act_*`, `batch`, `length`): under FSDP a weight's `embed` axis is split over `fsdp`, while an
+activation's model axis is not (its batch axis is), so one name cannot serve both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from v41jax.config import MeshConfig
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axis (or tuple of axes, or None = replicated)
+LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+    # activations
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("act_embed", None),
+    ("act_mlp", "tensor"),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_vocab", "tensor"),
+    ("cache_length", None),
+)
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
+    """Resolve the -1 axis; the product must divide the available device count."""
+    shape = [cfg.data, cfg.fsdp, cfg.tensor]
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(f"mesh {cfg} does not divide the {num_devices} devices")
+        shape[shape.index(-1)] = num_devices // known
+    if math.prod(shape) > num_devices:
+        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices, "
+                         f"only {num_devices} available")
+    return tuple(shape)
+
+
+def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over the first prod(shape) of `devices` (default: all)."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(cfg, len(devices))
+    grid = np.array(devices[: math.prod(shape)]).reshape(shape)
+    return Mesh(grid, MESH_AXES)  # Auto axis types: XLA propagates shardings from constraints
+
+
+def logical_to_sharding(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
+    spec = nn.logical_to_mesh_axes(tuple(logical_axes), LOGICAL_AXIS_RULES)
+    return NamedSharding(mesh, spec)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Batch arrays [B, T, ...]: rows split over data x fsdp, the rest replicated."""
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def tree_shardings(mesh: Mesh, boxed_tree) -> object:
+    """NamedShardings for a tree whose leaves may be `nn.LogicallyPartitioned` boxes.
+
+    Works on abstract trees from `jax.eval_shape(model.init, ...)`. Unboxed leaves (step
+    counters, RNG keys, optimizer scalars) are replicated. A dimension that its mesh axes
+    do not divide is replicated instead (tiny test models), never padded silently.
+    """
+    specs = nn.get_partition_spec(boxed_tree)
+    specs = nn.logical_to_mesh(specs, LOGICAL_AXIS_RULES)
+    shapes = nn.unbox(boxed_tree)
+
+    def fit(spec, leaf):
+        if not isinstance(spec, PartitionSpec):
+            return replicated(mesh)
+        shape = getattr(leaf, "shape", ())
+        fixed = []
+        for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            size = math.prod(mesh.shape[a] for a in names)
+            fixed.append(axes if size > 1 and dim % size == 0 else None)
+        return NamedSharding(mesh, PartitionSpec(*fixed))
+
+    return jax.tree.map(fit, specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def axis_rules():
+    """Context manager making the rules active for `nn.with_logical_constraint` in modules."""
+    return nn.logical_axis_rules(LOGICAL_AXIS_RULES)
