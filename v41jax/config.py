@@ -222,6 +222,19 @@ def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
     return cls(**{k: _coerce(hints[k], v, f"{prefix}.{k}".lstrip(".")) for k, v in d.items()})
 
 
+def diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Human-readable differences `key: old -> new` between two configs."""
+    a, b = to_dict(old), to_dict(new)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
+    return out
+
+
 def save_json(cfg: Config, path: str) -> None:
     with open(path, "w") as f:
         json.dump(to_dict(cfg), f, indent=2, sort_keys=True)

@@ -1,1 +1,55 @@
-"""v41jax."""
+"""Data layer: corpus loading and splitting, byte-level BPE tokenizer, Engram tokenizer
+compression, and packed, sharded, resumable batches. Depends on nothing else in v41jax but
+`v41jax.config`."""
+
+from v41jax.data.compression import (
+    CompressionTable,
+    build_compression_table,
+    compress_ids,
+    normalize_token_text,
+)
+from v41jax.data.corpus import (
+    Document,
+    default_cache_dir,
+    default_corpus_dir,
+    load_documents,
+    resolve_cache_dir,
+    split_documents,
+)
+from v41jax.data.pipeline import (
+    BatchIterator,
+    PreparedData,
+    eval_batches,
+    prepare_data,
+    segment_ids_and_positions,
+)
+from v41jax.data.tokenizer import (
+    EOS_ID,
+    EOS_TOKEN,
+    Tokenizer,
+    load_or_train_tokenizer,
+    train_tokenizer,
+)
+
+__all__ = [
+    "EOS_ID",
+    "EOS_TOKEN",
+    "BatchIterator",
+    "CompressionTable",
+    "Document",
+    "PreparedData",
+    "Tokenizer",
+    "build_compression_table",
+    "compress_ids",
+    "default_cache_dir",
+    "default_corpus_dir",
+    "eval_batches",
+    "load_documents",
+    "load_or_train_tokenizer",
+    "normalize_token_text",
+    "prepare_data",
+    "resolve_cache_dir",
+    "segment_ids_and_positions",
+    "split_documents",
+    "train_tokenizer",
+]

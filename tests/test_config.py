@@ -1,0 +1,96 @@
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from v41jax import config as config_lib
+from v41jax.config import Config, ModelConfig, ParamGroup
+
+
+def test_named_configs_and_roundtrip(tmp_path):
+    assert {"tiny", "small"} <= set(config_lib.named_configs())
+    for name in ("tiny", "small"):
+        cfg = config_lib.get_config(name)
+        path = tmp_path / f"{name}.json"
+        config_lib.save_json(cfg, str(path))
+        assert config_lib.load_json(str(path)) == cfg
+
+
+def test_override_parses_by_type():
+    cfg = config_lib.override(
+        config_lib.get_config("tiny"),
+        ["train.steps=24", "optim.lr=1e-4", "model.tie_embeddings=false",
+         "data.paths=a.txt,b", "name=x", "model.compute_dtype=bfloat16"],
+    )
+    assert cfg.train.steps == 24 and cfg.optim.lr == 1e-4
+    assert cfg.model.tie_embeddings is False and cfg.data.paths == ("a.txt", "b")
+    assert cfg.name == "x" and cfg.model.compute_dtype == "bfloat16"
+    groups = '[{"name": "tables", "pattern": "table$", "lr_scale": 5.0, "weight_decay": 0.0}]'
+    cfg = config_lib.override(cfg, [f"optim.param_groups={groups}"])
+    assert cfg.optim.param_groups == (ParamGroup("tables", "table$", 5.0, 0.0),)
+
+
+def test_unknown_and_ill_typed_keys_are_named():
+    cfg = config_lib.get_config("tiny")
+    with pytest.raises(KeyError, match="train.stepz.*valid keys.*train.steps"):
+        config_lib.override(cfg, ["train.stepz=3"])
+    with pytest.raises(ValueError, match=r"train.steps='abc': expected int"):
+        config_lib.override(cfg, ["train.steps=abc"])
+    with pytest.raises(ValueError, match="expected a bool"):
+        config_lib.override(cfg, ["model.tie_embeddings=maybe"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        config_lib.override(cfg, ["train.steps"])
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"model": ModelConfig(vocab_size=100)}, "model.vocab_size=100 != data.vocab_size"),
+        ({"model": ModelConfig(num_heads=4, num_kv_heads=3)}, "multiple of model.num_kv_heads"),
+        ({"model": ModelConfig(compute_dtype="float64")}, "compute_dtype='float64'"),
+        ({"model": ModelConfig(d_model=0)}, "model.d_model=0"),
+    ],
+)
+def test_bad_configs_raise_naming_the_field(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(Config(), **change)
+
+
+def test_bad_values_via_override():
+    cfg = config_lib.get_config("tiny")
+    with pytest.raises(ValueError, match="train.steps=0"):
+        config_lib.override(cfg, ["train.steps=0"])
+    with pytest.raises(ValueError, match="generate.top_p=1.5"):
+        config_lib.override(cfg, ["generate.top_p=1.5"])
+    with pytest.raises(ValueError, match="unknown config 'nope'"):
+        config_lib.get_config("nope")
+
+
+def test_config_from_python_file(tmp_path):
+    path = tmp_path / "exp.py"
+    path.write_text(
+        "from v41jax.config import get_config as g\n"
+        "import dataclasses\n"
+        "def get_config():\n"
+        "    return dataclasses.replace(g('tiny'), name='exp')\n"
+    )
+    assert config_lib.get_config(str(path)).name == "exp"
+    bad = tmp_path / "bad.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(AttributeError, match="no get_config"):
+        config_lib.get_config(str(bad))
+
+
+def test_cli_help_lists_subcommands_and_rejects_bad_keys(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "v41jax", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for cmd in ("train", "eval", "generate", "bench"):
+        assert cmd in out
+    bad = subprocess.run(
+        [sys.executable, "-m", "v41jax", "train", "--config", "tiny", "--workdir",
+         str(tmp_path / "w"), "--set", "train.bogus=1"],
+        capture_output=True, text=True,
+    )
+    assert bad.returncode == 2
+    assert "train.bogus" in bad.stderr and "train.steps" in bad.stderr

@@ -1,0 +1,173 @@
+"""Byte-level BPE tokenizer (HuggingFace `tokenizers`), trained on the training split and cached.
+
+GPT-2 style: ByteLevel pre-tokenizer (no prefix space) and ByteLevel decoder, no normaliser, so
+`decode(encode(text)) == text` for any Unicode text. Id 0 is `<|endoftext|>`, the end-of-document
+(and padding) token. A literal "<|endoftext|>" inside a document is encoded as ordinary text, not
+as the special id, so document boundaries come only from the data pipeline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from v41jax.data.corpus import resolve_cache_dir
+
+EOS_TOKEN = "<|endoftext|>"
+EOS_ID = 0
+NUM_BYTES = 256
+MIN_VOCAB_SIZE = NUM_BYTES + 1  # every byte + <|endoftext|>
+# Bump when training settings change so old cache files are not reused.
+_CACHE_VERSION = "bpe-v1"
+
+
+class Tokenizer:
+    """A trained byte-level BPE tokenizer; a thin wrapper over `tokenizers.Tokenizer`."""
+
+    def __init__(self, tok: tokenizers.Tokenizer):
+        eos = tok.token_to_id(EOS_TOKEN)
+        if eos != EOS_ID:
+            raise ValueError(f"tokenizer must have {EOS_TOKEN!r} at id {EOS_ID}, found id {eos}")
+        # Not serialised by `tokenizers`, so set on every construction: special-token text in a
+        # document stays text (see module docstring).
+        tok.encode_special_tokens = True
+        self._tok = tok
+        self._content_hash: str | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        return EOS_ID
+
+    @property
+    def content_hash(self) -> str:
+        """sha256 (hex) of the serialised tokenizer: keys caches of data tokenized with it."""
+        if self._content_hash is None:
+            self._content_hash = hashlib.sha256(self._tok.to_str().encode()).hexdigest()
+        return self._content_hash
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._tok
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """`encode` over many texts, in parallel (Rust threads)."""
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; special tokens are kept so decode inverts encode exactly."""
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:8]} out of range [0, {self.vocab_size})")
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def id_to_token(self, i: int) -> str:
+        """The raw vocabulary string of id `i` (byte-level alphabet, e.g. 'Ġthe')."""
+        token = self._tok.id_to_token(int(i))
+        if token is None:
+            raise ValueError(f"token id {i} out of range [0, {self.vocab_size})")
+        return token
+
+    def save(self, path: str) -> None:
+        """Write the tokenizer JSON atomically (a reader never sees a half-written file)."""
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+        os.close(fd)
+        try:
+            self._tok.save(tmp)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+    @classmethod
+    def load(cls, path: str) -> Tokenizer:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
+        return cls(tokenizers.Tokenizer.from_file(path))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, hash={self.content_hash[:12]})"
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least "
+            f"{MIN_VOCAB_SIZE} (256 bytes + {EOS_TOKEN})"
+        )
+
+
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE with exactly `vocab_size` tokens (id 0 = <|endoftext|>,
+    then the 256 byte symbols, then merges). Raises if the texts cannot yield that many merges.
+    """
+    _check_vocab_size(vocab_size)
+    texts = list(texts)
+    if not any(texts):
+        raise ValueError(f"cannot train a tokenizer on empty text ({len(texts)} texts)")
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    got = tok.get_vocab_size(with_added_tokens=True)
+    if got != vocab_size:
+        raise ValueError(
+            f"the training text ({sum(len(t) for t in texts)} characters in {len(texts)} "
+            f"documents) only yields a vocabulary of {got} tokens ({got - MIN_VOCAB_SIZE} merges), "
+            f"fewer than vocab_size={vocab_size}; use more text or a smaller vocab_size"
+        )
+    return Tokenizer(tok)
+
+
+def tokenizer_cache_key(texts: Sequence[str], vocab_size: int) -> str:
+    """First 16 hex digits of sha256 over (settings version, vocab_size, every text)."""
+    h = hashlib.sha256(f"{_CACHE_VERSION}:{vocab_size}:{len(texts)}\n".encode())
+    for text in texts:
+        data = text.encode("utf-8")
+        # Length-prefix each text so ["ab", "c"] and ["a", "bc"] hash differently.
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()[:16]
+
+
+def load_or_train_tokenizer(texts: Sequence[str], vocab_size: int, cache_dir: str) -> Tokenizer:
+    """`train_tokenizer`, cached as `<cache_dir>/tokenizer-<tokenizer_cache_key>.json`."""
+    texts = list(texts)
+    _check_vocab_size(vocab_size)  # fail before hashing a large corpus
+    path = os.path.join(
+        resolve_cache_dir(cache_dir), f"tokenizer-{tokenizer_cache_key(texts, vocab_size)}.json"
+    )
+    if os.path.isfile(path):
+        tok = Tokenizer.load(path)
+        if tok.vocab_size != vocab_size:
+            raise ValueError(
+                f"cached tokenizer {path!r} has vocab_size={tok.vocab_size}, expected "
+                f"{vocab_size}; delete the file to retrain"
+            )
+        return tok
+    tok = train_tokenizer(texts, vocab_size)
+    tok.save(path)
+    return tok
