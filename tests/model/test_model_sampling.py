@@ -1,0 +1,95 @@
+"""Sampling: greedy limits of top-k / top-p / temperature, truncation sets, distribution test."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from v41jax.model import sample_logits, sampling_probs
+
+LOGITS = jax.random.normal(jax.random.key(0), (16, 50)) * 3
+sample = jax.jit(sample_logits)
+
+
+def np_softmax(z):
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p",
+    [(0.0, 0, 1.0), (1.0, 1, 1.0), (1.0, 0, 1e-6), (5.0, 1, 0.5), (0.0, 7, 0.3)],
+)
+def test_greedy_limits_equal_argmax(temperature, top_k, top_p):
+    greedy = np.argmax(LOGITS, -1)
+    for seed in range(3):
+        toks = sample(jax.random.key(seed), LOGITS, temperature, top_k, top_p)
+        assert toks.dtype == jnp.int32
+        np.testing.assert_array_equal(toks, greedy)
+
+
+def np_truncated_probs(z, temperature, top_k, top_p):
+    """Reference: sort, keep top_k, keep the smallest prefix with mass >= top_p."""
+    z = z / temperature
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros(z.shape, bool)
+    kept_k = order[:top_k] if top_k else order
+    p = np_softmax(z[kept_k])
+    n = int(np.searchsorted(np.cumsum(p), top_p) + 1) if top_p < 1 else len(kept_k)
+    keep[kept_k[:n]] = True
+    return np.where(keep, np_softmax(np.where(keep, z, -np.inf)), 0.0)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8), (10, 0.5), (0, 1.0)])
+def test_sampling_probs_truncation(top_k, top_p):
+    probs = np.asarray(sampling_probs(LOGITS, 0.7, top_k, top_p))
+    want = np.stack([np_truncated_probs(np.asarray(z), 0.7, top_k, top_p) for z in LOGITS])
+    np.testing.assert_allclose(probs, want, atol=1e-6)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
+    if top_k and top_p == 1.0:
+        assert np.all((probs > 0).sum(-1) == top_k)
+
+
+def chi_square(samples, probs):
+    counts = np.bincount(np.asarray(samples), minlength=len(probs))
+    expected = len(samples) * probs
+    nz = expected > 0
+    assert np.all(counts[~nz] == 0), "sampled a token of probability 0"
+    return float(((counts[nz] - expected[nz]) ** 2 / expected[nz]).sum()), int(nz.sum()) - 1
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 0.9)])
+def test_sample_distribution_matches_probs(top_k, top_p):
+    logits = np.array([1.0, 0.5, 0.0, -0.5, -1.5], np.float32)
+    n, temperature = 20_000, 0.8
+    toks = sample(jax.random.key(42), jnp.broadcast_to(logits, (n, 5)), temperature, top_k, top_p)
+    want = np_truncated_probs(logits, temperature, top_k, top_p)
+    stat, dof = chi_square(toks, want)
+    critical = {4: 18.47, 3: 16.27, 2: 13.82}[dof]  # chi-square, p = 0.001
+    assert stat < critical, (stat, dof)
+
+
+def test_per_row_and_traced_knobs():
+    temperature = jnp.array([0.0] * 8 + [1.0] * 8)
+    toks = jax.jit(sample_logits)(jax.random.key(3), LOGITS, temperature, 0, 1.0)
+    np.testing.assert_array_equal(toks[:8], np.argmax(LOGITS[:8], -1))
+    probs = sampling_probs(LOGITS, 1.0, jnp.array([1] * 8 + [0] * 8), 1.0)
+    assert np.all((np.asarray(probs[:8]) > 0).sum(-1) == 1)
+    assert np.all((np.asarray(probs[8:]) > 0).sum(-1) == 50)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+    ],
+)
+def test_bad_values_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sampling_probs(LOGITS, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        sample_logits(jax.random.key(0), LOGITS, **kwargs)

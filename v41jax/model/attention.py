@@ -1,0 +1,173 @@
+"""Causal grouped-query attention: pure cores, a KV-cache update, and the Linen `Attention`.
+
+Shapes: B batch, T query length, S key length (T without a cache, `max_seq_len` with one),
+H query heads, G key/value heads (H % G == 0; G < H is GQA, Ainslie et al. 2023),
+R = H / G query heads per kv head, K head dim, D model width.
+
+KV cache: one dict per layer `{"k": [B, S, G, K], "v": [B, S, G, K]}` in the compute dtype.
+Slot s holds the key/value of absolute position s. A call with T new tokens writes row b's
+tokens at slots `cache_index[b] .. cache_index[b] + T - 1` and its queries attend to slots
+`<= cache_index[b] + t`. Slots past a row's own position may hold garbage (right-padding of a
+prefill); they are masked out and overwritten as decoding reaches them. Prefill and decode
+are the same code path (prefill: T = prompt length, cache_index = 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from v41jax.model.layers import apply_rope, normal_init
+
+Dtype = Any
+KVCache = dict[str, jax.Array]
+
+
+def make_attention_mask(
+    q_positions_BxT: jax.Array,
+    kv_positions_BxS: jax.Array,
+    q_segment_ids_BxT: jax.Array | None = None,
+    kv_segment_ids_BxS: jax.Array | None = None,
+) -> jax.Array:
+    """Boolean [B, T, S]: key s is visible to query t iff `kv_pos[s] <= q_pos[t]` and,
+    when segment ids are given, both lie in the same segment (packed documents).
+
+    Positions here are the order used for causality: token indices without a cache, slot
+    indices (= absolute positions) with one.
+    """
+    mask_BxTxS = kv_positions_BxS[:, None, :] <= q_positions_BxT[:, :, None]
+    if q_segment_ids_BxT is not None:
+        same_BxTxS = q_segment_ids_BxT[:, :, None] == kv_segment_ids_BxS[:, None, :]
+        mask_BxTxS = mask_BxTxS & same_BxTxS
+    return mask_BxTxS
+
+
+def causal_attention(
+    q_BxTxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """`softmax(q k^T / sqrt(K) + mask) v` with grouped kv heads; returns [B, T, H, K].
+
+    Query head h uses kv head h // R (H reshaped to G x R, no repeated copy of k/v).
+    Scores and softmax in float32; the weighted sum in v's dtype. Causality comes from the
+    mask (see `make_attention_mask`); every query must see at least one key.
+    """
+    b, t, h, k = q_BxTxHxK.shape
+    g = k_BxSxGxK.shape[2]
+    if h % g:
+        raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={g}")
+    q_BxTxGxRxK = q_BxTxHxK.reshape(b, t, g, h // g, k)
+    scores_BxGxRxTxS = jnp.einsum(
+        "btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32
+    ) * (1.0 / jnp.sqrt(jnp.float32(k)))
+    scores_BxGxRxTxS = jnp.where(
+        mask_BxTxS[:, None, None], scores_BxGxRxTxS, jnp.finfo(jnp.float32).min
+    )
+    probs_BxGxRxTxS = jax.nn.softmax(scores_BxGxRxTxS, axis=-1).astype(v_BxSxGxK.dtype)
+    out_BxTxGxRxK = jnp.einsum("bgrts,bsgk->btgrk", probs_BxGxRxTxS, v_BxSxGxK)
+    return out_BxTxGxRxK.reshape(b, t, h, k)
+
+
+def attention_reference(
+    q_BxTxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mask_BxTxS: jax.Array
+) -> jax.Array:
+    """Plain multi-head reference: kv heads repeated to H, all in float32."""
+    r = q_BxTxHxK.shape[2] // k_BxSxGxK.shape[2]
+    k_BxSxHxK = jnp.repeat(k_BxSxGxK, r, axis=2).astype(jnp.float32)
+    v_BxSxHxK = jnp.repeat(v_BxSxGxK, r, axis=2).astype(jnp.float32)
+    q = q_BxTxHxK.astype(jnp.float32)
+    scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q, k_BxSxHxK) / jnp.sqrt(q.shape[-1])
+    scores_BxHxTxS = jnp.where(mask_BxTxS[:, None], scores_BxHxTxS, -jnp.inf)
+    return jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_BxHxTxS, axis=-1), v_BxSxHxK)
+
+
+def update_cache(
+    cache_BxSxGxK: jax.Array, new_BxTxGxK: jax.Array, cache_index_B: jax.Array
+) -> jax.Array:
+    """Write row b's T new entries at slots `cache_index[b] ..`; returns the updated cache.
+
+    The caller guarantees `cache_index[b] + T <= S`: `lax.dynamic_update_slice` would clamp
+    the start (shifting the write) rather than fail.
+    """
+
+    def write_row(cache_SxGxK, new_TxGxK, start):
+        return jax.lax.dynamic_update_slice(
+            cache_SxGxK, new_TxGxK.astype(cache_SxGxK.dtype), (start, 0, 0)
+        )
+
+    return jax.vmap(write_row)(cache_BxSxGxK, new_BxTxGxK, cache_index_B.astype(jnp.int32))
+
+
+class Attention(nn.Module):
+    """Multi-head / grouped-query self-attention with RoPE and an optional KV cache.
+
+    Params: `q` [D, H, K] (embed, heads, head_dim); `k`, `v` [D, G, K] (embed, kv_heads,
+    head_dim); `o` [H, K, D] (heads, head_dim, embed).
+    `y = causal_attention(rope(x Wq), rope(x Wk), x Wv, mask) Wo`.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    init_std: float = 0.02
+    out_init_std: float = 0.02
+    dtype: Dtype = jnp.float32
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(
+        self,
+        x_BxTxD: jax.Array,
+        positions_BxT: jax.Array,
+        mask_BxTxS: jax.Array,
+        cache: KVCache | None = None,
+        cache_index_B: jax.Array | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """x [B, T, D] -> (y [B, T, D], new cache or None).
+
+        `positions_BxT` drive RoPE. Without a cache S = T; with one, S = cache length and
+        `cache_index_B` gives each row's first write slot.
+        """
+        d, h, g, k = x_BxTxD.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
+        std, pd = self.init_std, self.param_dtype
+        w_q = self.param("q", normal_init(std, ("embed", "heads", "head_dim")), (d, h, k), pd)
+        w_k = self.param("k", normal_init(std, ("embed", "kv_heads", "head_dim")), (d, g, k), pd)
+        w_v = self.param("v", normal_init(std, ("embed", "kv_heads", "head_dim")), (d, g, k), pd)
+        w_o = self.param(
+            "o", normal_init(self.out_init_std, ("heads", "head_dim", "embed")), (h, k, d), pd
+        )
+        x = x_BxTxD.astype(self.dtype)
+        q_BxTxHxK = jnp.einsum("btd,dhk->bthk", x, w_q.astype(self.dtype))
+        k_BxTxGxK = jnp.einsum("btd,dgk->btgk", x, w_k.astype(self.dtype))
+        v_BxTxGxK = jnp.einsum("btd,dgk->btgk", x, w_v.astype(self.dtype))
+        q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, self.rope_theta)
+        k_BxTxGxK = apply_rope(k_BxTxGxK, positions_BxT, self.rope_theta)
+        q_BxTxHxK = nn.with_logical_constraint(q_BxTxHxK, ("batch", "length", "act_heads", None))
+        kv_axes = ("batch", "length", "act_kv_heads", None)
+        k_BxTxGxK = nn.with_logical_constraint(k_BxTxGxK, kv_axes)
+        v_BxTxGxK = nn.with_logical_constraint(v_BxTxGxK, kv_axes)
+
+        new_cache = None
+        if cache is not None:
+            if cache_index_B is None:
+                raise ValueError("Attention: a KV cache needs cache_index_B (first write slot)")
+            cache_axes = ("batch", "cache_length", "act_kv_heads", None)
+            new_cache = {
+                name: nn.with_logical_constraint(
+                    update_cache(cache[name], new, cache_index_B), cache_axes
+                )
+                for name, new in (("k", k_BxTxGxK), ("v", v_BxTxGxK))
+            }
+            k_BxSxGxK, v_BxSxGxK = new_cache["k"], new_cache["v"]
+        else:
+            k_BxSxGxK, v_BxSxGxK = k_BxTxGxK, v_BxTxGxK
+
+        out_BxTxHxK = causal_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxTxS)
+        out_BxTxHxK = nn.with_logical_constraint(
+            out_BxTxHxK, ("batch", "length", "act_heads", None)
+        )
+        y_BxTxD = jnp.einsum("bthk,hkd->btd", out_BxTxHxK, w_o.astype(self.dtype))
+        return y_BxTxD, new_cache

@@ -1,0 +1,90 @@
+"""Next-token sampling: temperature, top-k and top-p (nucleus) over float32 logits.
+
+`sampling_probs` is the one definition of the sampling distribution; `sample_logits` draws
+from exactly it, so speculative decoding can get q (drafter) and p (target) identically.
+Order of operations: scale by 1/temperature, keep the top_k largest, keep the smallest
+prefix (in descending order) whose mass reaches top_p, renormalise.
+Temperature 0 is greedy: a one-hot distribution on the argmax (first index on ties).
+
+Every knob may be a Python number or a traced array (scalar or per-row [B]), so one jitted
+sampler serves all settings; Python numbers are checked and bad values raise ValueError.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Scalar = float | int | jax.Array
+
+
+def _concrete(value) -> np.ndarray | None:
+    """The value as a numpy array, or None while it is traced."""
+    if isinstance(value, jax.core.Tracer):
+        return None
+    return np.asarray(value)
+
+
+def check_sampling_args(temperature: Scalar, top_k: Scalar, top_p: Scalar) -> None:
+    """Raise ValueError for temperature < 0 (or not finite), top_k < 0, top_p outside (0, 1].
+
+    Traced values cannot be checked and are let through.
+    """
+    t, k, p = _concrete(temperature), _concrete(top_k), _concrete(top_p)
+    if t is not None and not (np.all(np.isfinite(t)) and np.all(t >= 0)):
+        raise ValueError(f"temperature={temperature} must be finite and >= 0 (0 = greedy)")
+    if k is not None and not np.all(k >= 0):
+        raise ValueError(f"top_k={top_k} must be >= 0 (0 = off)")
+    if p is not None and not np.all((p > 0) & (p <= 1)):
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = off)")
+
+
+def _per_row(value: Scalar, batch_shape: tuple[int, ...], dtype) -> jax.Array:
+    """A scalar or per-row knob as an array broadcastable against [..., V]."""
+    return jnp.broadcast_to(jnp.asarray(value, dtype), batch_shape)[..., None]
+
+
+def sampling_probs(
+    logits_BxV: jax.Array, temperature: Scalar = 1.0, top_k: Scalar = 0, top_p: Scalar = 1.0
+) -> jax.Array:
+    """The sampling distribution, float32 [B, V] (rows sum to 1).
+
+    With z = logits / temperature sorted descending and ranks r = 0, 1, ...:
+    keep r < top_k (all if top_k = 0); among those, with p' = softmax(z over kept),
+    keep r if sum_{r' < r} p'_{r'} < top_p (all if top_p = 1); `probs = softmax(z over kept)`.
+    Ties are ordered by token id, so exactly top_k tokens survive top-k.
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    logits = logits_BxV.astype(jnp.float32)
+    batch_shape, v = logits.shape[:-1], logits.shape[-1]
+    t = _per_row(temperature, batch_shape, jnp.float32)
+    k = _per_row(top_k, batch_shape, jnp.int32)
+    p = _per_row(top_p, batch_shape, jnp.float32)
+    greedy = t <= 0
+    z = logits / jnp.where(greedy, 1.0, t)
+
+    order_BxV = jnp.argsort(-z, axis=-1, stable=True)
+    z_sorted = jnp.take_along_axis(z, order_BxV, axis=-1)
+    rank = jnp.arange(v, dtype=jnp.int32)
+    keep_sorted = (k <= 0) | (rank < k)
+    p_sorted = jax.nn.softmax(jnp.where(keep_sorted, z_sorted, -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+    keep_sorted &= (mass_before < p) | (p >= 1.0)
+    keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order_BxV, axis=-1), axis=-1)
+
+    probs = jax.nn.softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, probs)
+
+
+def sample_logits(
+    rng: jax.Array,
+    logits_BxV: jax.Array,
+    temperature: Scalar = 1.0,
+    top_k: Scalar = 0,
+    top_p: Scalar = 1.0,
+) -> jax.Array:
+    """One token per row, int32 [B], drawn from `sampling_probs(logits, ...)`."""
+    probs_BxV = sampling_probs(logits_BxV, temperature, top_k, top_p)
+    return jax.random.categorical(rng, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)

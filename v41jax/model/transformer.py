@@ -1,0 +1,293 @@
+"""Decoder-only transformer: token embedding, `num_layers` pre-norm blocks, final norm, LM head.
+
+    h_{-1} = Embed(tokens)
+    h_l    = Block_l(h_{l-1})   with  x <- x + Attn(RMSNorm(x));  x <- x + FFN(RMSNorm(x))
+    logits = Head(RMSNorm(h_{L-1}))          (tied: h E^T; untied: h W_head), float32
+
+Seams for later issues, extended by config without rewriting the block:
+- `Block.pre_attention`: the per-layer memory slot before attention (Engram:
+  `h <- h + Engram(h, ids)` at chosen layers; its per-token ids ride in `BlockInputs.extras`).
+- `Block.residual`: the one residual connection used around both sub-layers. It receives the
+  sub-layer as a function so mHC can replace it with n-stream mixing
+  (`x <- H_res x + H_post^T F(H_pre x)`, residual state [B, T, n, C]).
+- `make_ffn`: FFN modules keyed by a kind string (`FFN_KINDS`); MoE registers a new kind.
+Layers are a plain Python loop (not `nn.scan`) because they will differ per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from v41jax.config import ModelConfig
+from v41jax.model.attention import Attention, KVCache, make_attention_mask
+from v41jax.model.layers import Embed, RMSNorm, SwiGLU, normal_init
+
+RESIDUAL_AXES = ("batch", "length", "act_embed")
+
+
+class ModelOutput(NamedTuple):
+    """`logits` float32 [B, T, V]; `hidden` {layer: [B, T, D]} for the requested layers
+    (-1 = embeddings, l = output of block l, before the final norm); `cache` the updated
+    per-layer KV caches when a cache was passed, else None."""
+
+    logits: jax.Array
+    hidden: dict[int, jax.Array]
+    cache: list[KVCache] | None
+
+
+class BlockInputs(NamedTuple):
+    """Per-call inputs shared by every block (built once by `Transformer`).
+
+    `extras` carries per-token side inputs of later modules (e.g. Engram hash ids [B, T, N]),
+    keyed by name; the plain block ignores it.
+    """
+
+    positions_BxT: jax.Array
+    mask_BxTxS: jax.Array
+    segment_ids_BxT: jax.Array | None = None
+    cache_index_B: jax.Array | None = None
+    extras: Mapping[str, jax.Array] = {}
+
+
+def _dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
+    return jnp.dtype(cfg.compute_dtype), jnp.dtype(cfg.param_dtype)
+
+
+def _out_init_std(cfg: ModelConfig) -> float:
+    """Projections into the residual stream start at `init_std / sqrt(2 L)` (GPT-2) so the
+    stream's variance does not grow with depth at init."""
+    return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+def _dense_ffn(cfg: ModelConfig) -> nn.Module:
+    dtype, param_dtype = _dtypes(cfg)
+    return SwiGLU(
+        d_ff=cfg.d_ff,
+        init_std=cfg.init_std,
+        out_init_std=_out_init_std(cfg),
+        dtype=dtype,
+        param_dtype=param_dtype,
+    )
+
+
+FFN_KINDS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": _dense_ffn}
+
+
+def make_ffn(cfg: ModelConfig, kind: str = "dense") -> nn.Module:
+    """The FFN module of kind `kind` (one of `FFN_KINDS`): [B, T, D] -> [B, T, D]."""
+    if kind not in FFN_KINDS:
+        raise ValueError(f"unknown FFN kind {kind!r}; known: {sorted(FFN_KINDS)}")
+    return FFN_KINDS[kind](cfg)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block: [B, T, D] -> ([B, T, D], new KV cache or None)."""
+
+    cfg: ModelConfig
+    layer_index: int
+    ffn_kind: str = "dense"
+
+    def setup(self):
+        c = self.cfg
+        dtype, param_dtype = _dtypes(c)
+        self.attn_norm = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype)
+        self.attn = Attention(
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.resolved_head_dim,
+            rope_theta=c.rope_theta,
+            init_std=c.init_std,
+            out_init_std=_out_init_std(c),
+            dtype=dtype,
+            param_dtype=param_dtype,
+        )
+        self.ffn_norm = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype)
+        self.ffn = make_ffn(c, self.ffn_kind)
+
+    def __call__(
+        self, x_BxTxD: jax.Array, inputs: BlockInputs, cache: KVCache | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        x_BxTxD = self.pre_attention(x_BxTxD, inputs)
+
+        def attention(h):
+            return self.attn(
+                self.attn_norm(h),
+                inputs.positions_BxT,
+                inputs.mask_BxTxS,
+                cache,
+                inputs.cache_index_B,
+            )
+
+        x_BxTxD, new_cache = self.residual(x_BxTxD, attention)
+        x_BxTxD, _ = self.residual(x_BxTxD, lambda h: (self.ffn(self.ffn_norm(h)), None))
+        return x_BxTxD, new_cache
+
+    def pre_attention(self, x_BxTxD: jax.Array, inputs: BlockInputs) -> jax.Array:
+        """Per-layer memory slot before attention; the identity in the plain block.
+
+        Engram goes here at its chosen layers: `x + Engram(x, inputs.extras[...])`.
+        """
+        return x_BxTxD
+
+    def residual(
+        self, x_BxTxD: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Array, Any]]
+    ) -> tuple[jax.Array, Any]:
+        """The residual connection around a sub-layer F: `x <- x + F(x)`; returns (x, aux).
+
+        `sublayer` maps the residual state to (output, aux) (aux: the new KV cache or None).
+        mHC replaces this with `H_res x + H_post^T F(H_pre x)` over n streams.
+        """
+        y_BxTxD, aux = sublayer(x_BxTxD)
+        x_BxTxD = nn.with_logical_constraint(x_BxTxD + y_BxTxD.astype(x_BxTxD.dtype), RESIDUAL_AXES)
+        return x_BxTxD, aux
+
+
+class Transformer(nn.Module):
+    """The decoder-only LM of `cfg` (see the module docstring for the equations)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens_BxT: jax.Array,
+        positions_BxT: jax.Array | None = None,
+        segment_ids_BxT: jax.Array | None = None,
+        *,
+        hidden_layers: tuple[int, ...] = (),
+        cache: list[KVCache] | None = None,
+        cache_index: jax.Array | None = None,
+        extras: Mapping[str, jax.Array] | None = None,
+    ) -> ModelOutput:
+        """Forward pass over int tokens [B, T].
+
+        positions_BxT: RoPE positions; default `arange(T)` (plus `cache_index` with a cache).
+            Causality follows token order (cache slots with a cache), never these values,
+            so positions that restart per packed document are fine.
+        segment_ids_BxT: packed-document ids; attention stays within a segment when
+            `cfg.segment_mask` (not allowed together with a cache).
+        hidden_layers: layers whose outputs go into `ModelOutput.hidden` (-1 = embeddings).
+        cache, cache_index: per-layer KV caches (see `generate.init_cache`) and int32 [B]
+            first write slots (default 0). Queries then sit at slots `cache_index + t`.
+        extras: per-token side inputs for later modules, passed to every block.
+        """
+        c = self.cfg
+        dtype, param_dtype = _dtypes(c)
+        b, t = tokens_BxT.shape
+        bad = [i for i in hidden_layers if not -1 <= i < c.num_layers]
+        if bad:
+            raise ValueError(f"hidden_layers {bad} out of range [-1, {c.num_layers - 1}]")
+
+        arange_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if cache is None:
+            if positions_BxT is None:
+                positions_BxT = arange_BxT
+            use_segments = c.segment_mask and segment_ids_BxT is not None
+            seg = segment_ids_BxT if use_segments else None
+            mask_BxTxS = make_attention_mask(arange_BxT, arange_BxT, seg, seg)
+            caches: list[KVCache | None] = [None] * c.num_layers
+        else:
+            if len(cache) != c.num_layers:
+                raise ValueError(f"cache has {len(cache)} layers, model has {c.num_layers}")
+            if segment_ids_BxT is not None:
+                raise ValueError("segment_ids are not supported with a KV cache")
+            if cache_index is None:
+                cache_index = jnp.zeros((b,), jnp.int32)
+            cache_index = jnp.asarray(cache_index, jnp.int32)
+            q_slots_BxT = cache_index[:, None] + arange_BxT
+            if positions_BxT is None:
+                positions_BxT = q_slots_BxT
+            s = cache[0]["k"].shape[1]
+            kv_slots_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            mask_BxTxS = make_attention_mask(q_slots_BxT, kv_slots_BxS)
+            caches = list(cache)
+
+        inputs = BlockInputs(
+            positions_BxT=positions_BxT,
+            mask_BxTxS=mask_BxTxS,
+            segment_ids_BxT=segment_ids_BxT,
+            cache_index_B=cache_index,
+            extras=dict(extras or {}),
+        )
+        embed = Embed(
+            c.vocab_size,
+            c.d_model,
+            init_std=c.init_std,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            name="embed",
+        )
+        x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), RESIDUAL_AXES)
+        hidden = {-1: x_BxTxD} if -1 in hidden_layers else {}
+
+        block_cls = nn.remat(Block) if c.remat else Block
+        new_caches = []
+        for i in range(c.num_layers):
+            x_BxTxD, layer_cache = block_cls(c, layer_index=i, name=f"block_{i}")(
+                x_BxTxD, inputs, caches[i]
+            )
+            new_caches.append(layer_cache)
+            if i in hidden_layers:
+                hidden[i] = x_BxTxD
+
+        x_BxTxD = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype, name="final_norm")(x_BxTxD)
+        if c.tie_embeddings:
+            logits_BxTxV = embed.attend(x_BxTxD)
+        else:
+            w_head = self.param(
+                "head",
+                normal_init(c.init_std, ("embed", "vocab")),
+                (c.d_model, c.vocab_size),
+                param_dtype,
+            )
+            logits_BxTxV = jnp.einsum(
+                "btd,dv->btv",
+                x_BxTxD.astype(dtype),
+                w_head.astype(dtype),
+                preferred_element_type=jnp.float32,
+            )
+        logits_BxTxV = nn.with_logical_constraint(logits_BxTxV, ("batch", "length", "act_vocab"))
+        return ModelOutput(logits_BxTxV, hidden, new_caches if cache is not None else None)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
+    """Initial params of `Transformer(cfg)` (the tree under "params"), each leaf boxed as
+    `nn.LogicallyPartitioned`. Jitted and cached per config; for abstract shapes use
+    `jax.eval_shape(functools.partial(init_params, cfg), rng)`."""
+    return _init_params_jit(cfg, rng)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _init_params_jit(cfg: ModelConfig, rng: jax.Array) -> Any:
+    return Transformer(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def count_params(params: Any) -> int:
+    """Number of scalars in a (boxed or plain) param tree."""
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params)))
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), PaLM appendix-B convention:
+
+        6 * N_matmul + 12 * L * H * K * T
+
+    N_matmul = L * (D*H*K + 2*D*G*K + H*K*D + 3*D*F) + D*V counts the weights used in
+    matmuls (the embedding lookup is not a matmul; the head is, tied or not). The second
+    term is the attention scores and weighted sum (2 matmuls x 2 flops x 3 for fwd+bwd)
+    over a full, non-causal T x T window, as in the usual MFU accounting.
+    """
+    d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
+    per_layer = d * h * k + 2 * d * g * k + h * k * d + 3 * d * cfg.d_ff
+    n_matmul = cfg.num_layers * per_layer + d * cfg.vocab_size
+    return float(6 * n_matmul + 12 * cfg.num_layers * h * k * seq_len)
