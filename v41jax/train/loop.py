@@ -1,0 +1,245 @@
+"""The training loop: resumable, checkpointed, logged; plus evaluation and run loading.
+
+WORKDIR layout
+    config.json        the run's full config (a rerun must match it: same command resumes)
+    tokenizer.json     the BPE tokenizer the run trained on (generation needs no cache)
+    compression.npz    tokenizer compression table (original id -> canonical id)
+    checkpoints/<step> orbax checkpoints: train state + data-iterator state
+    metrics.jsonl      one JSON object per line: train steps and evals
+    eval.json          the final evaluation
+
+Exact resume: the batch at step s is a pure function of (data seed, s), the step's randomness
+is `fold_in(state.rng, s)`, and a checkpoint holds the exact fp32 state, so a run killed at any
+point and restarted with the same command retraces the uninterrupted run step for step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from v41jax import config as config_lib
+from v41jax.config import Config
+from v41jax.data import BatchIterator, PreparedData, Tokenizer, eval_batches, prepare_data
+from v41jax.sharding import make_mesh
+from v41jax.train.checkpoint import Checkpointer, StopSignal
+from v41jax.train.metrics import MetricsWriter
+from v41jax.train.state import make_state_fns
+from v41jax.train.step import device_batch, make_eval_step, make_train_step
+
+
+def maybe_initialize_distributed() -> None:
+    """Join a multi-process job when launched as one (scripts/launch_*.sh set the variables).
+
+    V41JAX_DISTRIBUTED=1 turns it on. The coordinator comes from JAX_COORDINATOR_ADDRESS; the
+    process count and id from V41JAX_NUM_PROCESSES / V41JAX_PROCESS_ID when set, otherwise from
+    the cluster (TPU pod metadata, SLURM, Open MPI), which JAX detects itself.
+    """
+    if os.environ.get("V41JAX_DISTRIBUTED") != "1" or jax.distributed.is_initialized():
+        return
+    kwargs = {}
+    if "V41JAX_NUM_PROCESSES" in os.environ:
+        kwargs["num_processes"] = int(os.environ["V41JAX_NUM_PROCESSES"])
+    if "V41JAX_PROCESS_ID" in os.environ:
+        kwargs["process_id"] = int(os.environ["V41JAX_PROCESS_ID"])
+    jax.distributed.initialize(**kwargs)
+
+
+def _check_or_save_config(cfg: Config, workdir: str) -> None:
+    path = os.path.join(workdir, "config.json")
+    if os.path.exists(path):
+        diff = config_lib.diff(config_lib.load_json(path), cfg)
+        if diff:
+            raise ValueError(
+                f"workdir {workdir} holds a run with a different config ({'; '.join(diff)}); "
+                "use a new --workdir, or the original settings to resume"
+            )
+    elif jax.process_index() == 0:
+        config_lib.save_json(cfg, path)
+
+
+def _prepare(cfg: Config, workdir: str, progress: bool) -> PreparedData:
+    data = prepare_data(cfg.data, show_progress=progress)
+    if data.tokenizer.vocab_size != cfg.model.vocab_size:
+        raise ValueError(
+            f"tokenizer has {data.tokenizer.vocab_size} tokens but "
+            f"model.vocab_size={cfg.model.vocab_size}"
+        )
+    if jax.process_index() == 0:
+        data.tokenizer.save(os.path.join(workdir, "tokenizer.json"))
+        data.compression.save(os.path.join(workdir, "compression.npz"))
+    return data
+
+
+def evaluate(eval_step, mesh, params, batches: list[dict]) -> dict:
+    """Token-weighted validation loss over `batches`, and eval tokens/s (timed after the first
+    batch, which pays for compilation)."""
+    loss_sum, tokens, timed_tokens = 0.0, 0.0, 0.0
+    start = time.perf_counter()
+    for i, b in enumerate(batches):
+        out = jax.device_get(eval_step(params, device_batch(mesh, b)))
+        loss_sum += float(out["loss_sum"])
+        tokens += float(out["tokens"])
+        if i == 0:
+            start = time.perf_counter()
+        else:
+            timed_tokens += float(out["tokens"])
+    seconds = time.perf_counter() - start
+    result = {"val_loss": loss_sum / tokens, "val_tokens": tokens}
+    if timed_tokens:
+        result["eval_tokens_per_s"] = timed_tokens / seconds
+    return result
+
+
+def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
+    """Train (or resume) the run in `workdir`; returns the final evaluation."""
+    maybe_initialize_distributed()
+    main = jax.process_index() == 0
+    os.makedirs(workdir, exist_ok=True)
+    _check_or_save_config(cfg, workdir)
+    data = _prepare(cfg, workdir, progress and main)
+    mesh = make_mesh(cfg.mesh)
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if cfg.data.global_batch_size % shards:
+        raise ValueError(
+            f"data.global_batch_size={cfg.data.global_batch_size} is not divisible "
+            f"by the mesh's data x fsdp = {shards} batch shards"
+        )
+    model, optimizer, init_fn, shardings, abstract = make_state_fns(cfg, mesh)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    iterator = BatchIterator(
+        data.train_tokens,
+        data.train_segments,
+        cfg.data.seq_len,
+        cfg.data.global_batch_size,
+        cfg.data.seed,
+        jax.process_index(),
+        jax.process_count(),
+    )
+    start = checkpointer.latest_step()
+    if start is None:
+        start, state = 0, init_fn(cfg.train.seed)
+    else:
+        state, extra = checkpointer.restore(start, abstract)
+        iterator.restore(extra["iterator"])
+        if main:
+            print(f"resumed from {checkpointer.directory}/{start}")
+    if iterator.step != start or int(state.step) != start:
+        raise RuntimeError(
+            f"checkpoint {start} is inconsistent: iterator step {iterator.step}, "
+            f"state step {int(state.step)}"
+        )
+    train_step = make_train_step(cfg, mesh, model, optimizer, shardings)
+    eval_step = make_eval_step(cfg, mesh, model, shardings.params)
+    val = eval_batches(
+        data.val_tokens,
+        data.val_segments,
+        cfg.data.seq_len,
+        cfg.data.global_batch_size,
+        cfg.train.eval_batches,
+        jax.process_index(),
+        jax.process_count(),
+    )
+    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
+    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+
+    def save(step: int) -> None:
+        checkpointer.save(step, state, {"iterator": iterator.state()})
+
+    result: dict = {}
+    steps = cfg.train.steps
+    last_time, last_step = time.perf_counter(), start
+    with (
+        StopSignal() as stop,
+        tqdm(
+            total=steps, initial=start, desc=f"train {cfg.name}", disable=not (progress and main)
+        ) as bar,
+    ):
+        for step in range(start + 1, steps + 1):
+            state, metrics = train_step(state, device_batch(mesh, next(iterator)))
+            if step % cfg.train.log_every == 0 or step == steps:
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not np.isfinite(metrics["loss"]):
+                    raise FloatingPointError(
+                        f"loss is {metrics['loss']} at step {step}; last checkpoint: "
+                        f"{checkpointer.latest_step()} (not overwritten)"
+                    )
+                now = time.perf_counter()
+                tps = (step - last_step) * tokens_per_step / (now - last_time)
+                last_time, last_step = now, step
+                writer.write({"step": step, **metrics, "tokens_per_s": tps})
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tps:,.0f}")
+            if step % cfg.train.checkpoint_every == 0 or step == steps:
+                save(step)
+            if step == steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+                result = {"step": step, **evaluate(eval_step, mesh, state.params, val)}
+                writer.write(result)
+                bar.write(f"step {step}: val_loss {result['val_loss']:.4f}")
+            bar.update(1)
+            if stop.received is not None:
+                save(step)
+                bar.write(f"stopped by signal {stop.received} at step {step}; checkpoint saved")
+                result = {"step": step, "stopped": True}
+                break
+    if start == steps:  # nothing left to train: report the saved model
+        result = {"step": steps, **evaluate(eval_step, mesh, state.params, val)}
+    if main and not result.get("stopped"):
+        with open(os.path.join(workdir, "eval.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    checkpointer.close()
+    return result
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    cfg: Config
+    tokenizer: Tokenizer
+    params: object
+    step: int
+    mesh: object
+    model: object
+    param_shardings: object
+
+
+def load_run(workdir: str, step: int | None = None) -> LoadedRun:
+    """The config, tokenizer and params of a trained run (latest checkpoint by default)."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{workdir} holds no run (no config.json); train one first")
+    cfg = config_lib.load_json(path)
+    tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.json"))
+    mesh = make_mesh(cfg.mesh)
+    model, _, _, shardings, abstract = make_state_fns(cfg, mesh)
+    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    step = checkpointer.latest_step() if step is None else step
+    if step is None or step not in checkpointer.all_steps():
+        raise FileNotFoundError(
+            f"no checkpoint {step if step is not None else ''} in "
+            f"{checkpointer.directory} (have {checkpointer.all_steps()})"
+        )
+    state, _ = checkpointer.restore(step, abstract)
+    checkpointer.close()
+    return LoadedRun(cfg, tokenizer, state.params, step, mesh, model, shardings.params)
+
+
+def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = False) -> dict:
+    """Validation loss of the latest checkpoint in `workdir`."""
+    run = load_run(workdir)
+    data = prepare_data(run.cfg.data, show_progress=progress)
+    eval_step = make_eval_step(run.cfg, run.mesh, run.model, run.param_shardings)
+    val = eval_batches(
+        data.val_tokens,
+        data.val_segments,
+        run.cfg.data.seq_len,
+        run.cfg.data.global_batch_size,
+        num_batches or run.cfg.train.eval_batches,
+        jax.process_index(),
+        jax.process_count(),
+    )
+    return {"step": run.step, **evaluate(eval_step, run.mesh, run.params, val)}

@@ -1,0 +1,115 @@
+"""Train state (params, optimizer state, step, RNG) created directly in its sharded layout.
+
+`abstract_train_state` evaluates the init function abstractly, so shardings are known before
+any memory is allocated: params are born sharded (FSDP never materialises a full replica),
+and checkpoint restore reads each shard straight into place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from flax import struct
+from jax.sharding import Mesh
+
+from v41jax import sharding
+from v41jax.config import Config
+from v41jax.model import Transformer
+from v41jax.train.optimizer import make_optimizer
+
+
+@struct.dataclass
+class TrainState:
+    """step: int32 []; params/opt_state: pytrees; rng: uint32 [2] raw key (checkpointable)."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    rng: jax.Array
+
+
+def build_model(cfg: Config) -> Transformer:
+    return Transformer(cfg.model)
+
+
+def _init_params(model: nn.Module, cfg: Config, rng: jax.Array):
+    tokens = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
+    return model.init(rng, tokens)["params"]
+
+
+def make_state_fns(cfg: Config, mesh: Mesh):
+    """Returns (model, optimizer, init_fn, state_shardings, abstract_state).
+
+    init_fn(seed) -> TrainState, jitted with out_shardings = state_shardings.
+    abstract_state: TrainState of ShapeDtypeStructs carrying those shardings (for restore).
+    """
+    model = build_model(cfg)
+    boxed = jax.eval_shape(lambda: _init_params(model, cfg, jax.random.PRNGKey(0)))
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps, nn.unbox(boxed))
+
+    def init_state(seed: jax.Array) -> TrainState:
+        key = jax.random.PRNGKey(seed)
+        params = nn.unbox(_init_params(model, cfg, jax.random.fold_in(key, 0)))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=optimizer.init(params),
+            rng=jax.random.fold_in(key, 1),
+        )
+
+    abstract_boxed_state = jax.eval_shape(
+        lambda: TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=boxed,
+            opt_state=optimizer.init(nn.unbox(boxed)),
+            rng=jax.random.PRNGKey(0),
+        )
+    )
+    param_shardings = sharding.tree_shardings(mesh, abstract_boxed_state.params)
+    # Adam moments mirror the params' tree, so they take the params' shardings; everything
+    # else in the optimizer state (counts, schedules) is replicated.
+    opt_shardings = _opt_state_shardings(
+        abstract_boxed_state.opt_state, param_shardings, sharding.replicated(mesh)
+    )
+    state_shardings = TrainState(
+        step=sharding.replicated(mesh),
+        params=param_shardings,
+        opt_state=opt_shardings,
+        rng=sharding.replicated(mesh),
+    )
+    init_fn = jax.jit(init_state, static_argnums=(), out_shardings=state_shardings)
+    abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        nn.unbox(abstract_boxed_state),
+        state_shardings,
+    )
+    return model, optimizer, init_fn, state_shardings, abstract_state
+
+
+def _opt_state_shardings(opt_state, param_shardings, replicated):
+    """Optimizer-state leaves whose key path ends with a param's path (Adam mu/nu, also inside
+    multi_transform's per-group states) take that param's sharding; the rest are replicated."""
+    by_path = {
+        tuple(_key_name(k) for k in path): s
+        for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]
+    }
+    lengths = sorted({len(p) for p in by_path}, reverse=True)
+
+    def pick(path, leaf):
+        names = tuple(_key_name(k) for k in path)
+        for n in lengths:
+            if len(names) >= n and names[-n:] in by_path:
+                return by_path[names[-n:]]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, opt_state)
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
