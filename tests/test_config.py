@@ -20,8 +20,14 @@ def test_named_configs_and_roundtrip(tmp_path):
 def test_override_parses_by_type():
     cfg = config_lib.override(
         config_lib.get_config("tiny"),
-        ["train.steps=24", "optim.lr=1e-4", "model.tie_embeddings=false",
-         "data.paths=a.txt,b", "name=x", "model.compute_dtype=bfloat16"],
+        [
+            "train.steps=24",
+            "optim.lr=1e-4",
+            "model.tie_embeddings=false",
+            "data.paths=a.txt,b",
+            "name=x",
+            "model.compute_dtype=bfloat16",
+        ],
     )
     assert cfg.train.steps == 24 and cfg.optim.lr == 1e-4
     assert cfg.model.tie_embeddings is False and cfg.data.paths == ("a.txt", "b")
@@ -83,14 +89,26 @@ def test_config_from_python_file(tmp_path):
 
 
 def test_cli_help_lists_subcommands_and_rejects_bad_keys(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "v41jax", "--help"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "v41jax", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for cmd in ("train", "eval", "generate", "bench"):
         assert cmd in out
     bad = subprocess.run(
-        [sys.executable, "-m", "v41jax", "train", "--config", "tiny", "--workdir",
-         str(tmp_path / "w"), "--set", "train.bogus=1"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "v41jax",
+            "train",
+            "--config",
+            "tiny",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--set",
+            "train.bogus=1",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert bad.returncode == 2
     assert "train.bogus" in bad.stderr and "train.steps" in bad.stderr

@@ -164,7 +164,9 @@ def validate(cfg: Config) -> None:
     _require(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even (RoPE)")
     for name in ("compute_dtype", "param_dtype"):
         _require(getattr(m, name) in DTYPES, f"model.{name}={getattr(m, name)!r} not in {DTYPES}")
-    _require(d.vocab_size >= 259, f"data.vocab_size={d.vocab_size} must be >= 259 (bytes + special)")
+    _require(
+        d.vocab_size >= 259, f"data.vocab_size={d.vocab_size} must be >= 259 (bytes + special)"
+    )
     _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
     _require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} must be > 0")
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
@@ -217,8 +219,10 @@ def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(d) - names
     if unknown:
-        raise KeyError(f"unknown config keys {sorted(unknown)} in {prefix or cls.__name__}; "
-                       f"valid: {sorted(names)}")
+        raise KeyError(
+            f"unknown config keys {sorted(unknown)} in {prefix or cls.__name__}; "
+            f"valid: {sorted(names)}"
+        )
     return cls(**{k: _coerce(hints[k], v, f"{prefix}.{k}".lstrip(".")) for k, v in d.items()})
 
 

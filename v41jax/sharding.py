@@ -54,8 +54,10 @@ def mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
             raise ValueError(f"mesh {cfg} does not divide the {num_devices} devices")
         shape[shape.index(-1)] = num_devices // known
     if math.prod(shape) > num_devices:
-        raise ValueError(f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices, "
-                         f"only {num_devices} available")
+        raise ValueError(
+            f"mesh {dict(zip(MESH_AXES, shape, strict=True))} needs {math.prod(shape)} devices, "
+            f"only {num_devices} available"
+        )
     return tuple(shape)
 
 
@@ -97,7 +99,7 @@ def tree_shardings(mesh: Mesh, boxed_tree) -> object:
             return replicated(mesh)
         shape = getattr(leaf, "shape", ())
         fixed = []
-        for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
             names = (axes,) if isinstance(axes, str) else tuple(axes or ())
             size = math.prod(mesh.shape[a] for a in names)
             fixed.append(axes if size > 1 and dim % size == 0 else None)

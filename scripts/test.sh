@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The fast test suite (CPU; kernels in Pallas interpret mode; 8 fake devices for multi-device).
+#   bash scripts/test.sh            fast suite
+#   bash scripts/test.sh --slow     only the slow-marked tests
+#   bash scripts/test.sh -k resume  extra arguments go to pytest
+# pytest exits 5 when no test ran; that (like any failure) fails this script and CI.
+source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
+marker="not slow"
+if [ "${1:-}" = "--slow" ]; then
+  marker="slow"
+  shift
+fi
+exec python -m pytest -m "$marker" --durations=10 "$@"

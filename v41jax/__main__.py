@@ -1,0 +1,158 @@
+"""Command line: `python -m v41jax {train,eval,generate,bench} ...`.
+
+    python -m v41jax train --config tiny --workdir runs/tiny --set train.steps=24
+    python -m v41jax eval --workdir runs/tiny
+    python -m v41jax generate --workdir runs/tiny --prompt "The state of the Union"
+    python -m v41jax bench train --json bench.json
+
+`--config` is a named config (`v41jax/configs/<name>.py`) or a path to a Python file with
+`get_config()`; each `--set section.field=value` overrides one field, parsed by its type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from v41jax import config as config_lib
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        default="small",
+        help=f"named config {config_lib.named_configs()} or path to a .py with "
+        "get_config() (default: small)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config field, e.g. --set train.steps=100 (repeatable)",
+    )
+
+
+def _load_config(args) -> config_lib.Config:
+    return config_lib.override(config_lib.get_config(args.config), args.overrides)
+
+
+def cmd_train(args) -> int:
+    from v41jax.train import train
+
+    cfg = _load_config(args)
+    result = train(cfg, args.workdir, progress=not args.no_progress)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from v41jax.train import evaluate_run
+
+    print(json.dumps(evaluate_run(args.workdir, args.batches), indent=2))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import jax
+    import numpy as np
+
+    from v41jax.model import generate
+    from v41jax.train import load_run
+
+    run = load_run(args.workdir)
+    g = run.cfg.generate
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else g.max_new_tokens
+    temperature = args.temperature if args.temperature is not None else g.temperature
+    top_k = args.top_k if args.top_k is not None else g.top_k
+    top_p = args.top_p if args.top_p is not None else g.top_p
+    seed = args.seed if args.seed is not None else g.seed
+    prompts = args.prompt or [""]
+    # An empty prompt starts from the document separator, as every document does in training.
+    encoded = [[run.tokenizer.eos_id] + run.tokenizer.encode(p) for p in prompts]
+    lengths = np.array([len(e) for e in encoded], np.int32)
+    padded = np.zeros((len(encoded), int(lengths.max())), np.int32)
+    for i, e in enumerate(encoded):
+        padded[i, : len(e)] = e
+    out = generate(
+        run.params,
+        run.cfg.model,
+        padded,
+        lengths,
+        max_new_tokens=max_new,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        rng=jax.random.PRNGKey(seed),
+        eos_id=run.tokenizer.eos_id,
+    )
+    for prompt, row in zip(prompts, np.asarray(out), strict=True):
+        ids = [int(t) for t in row]
+        if run.tokenizer.eos_id in ids:
+            ids = ids[: ids.index(run.tokenizer.eos_id)]
+        print(f"--- step {run.step} | {prompt!r}")
+        print(prompt + run.tokenizer.decode(ids))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from v41jax.bench.__main__ import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m v41jax",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train (or resume) a model in --workdir")
+    _add_config_args(p)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="validation loss of the latest checkpoint in --workdir")
+    p.add_argument("--workdir", required=True)
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=None,
+        help="validation batches (default: the run's train.eval_batches)",
+    )
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="sample text from the model in --workdir")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--temperature", type=float, help="0 = greedy")
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="benchmarks: python -m v41jax bench train --json PATH")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError, FileNotFoundError) as e:
+        # Config and input errors: one clear line, not a traceback.
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

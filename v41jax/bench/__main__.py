@@ -1,0 +1,37 @@
+"""Benchmarks: `python -m v41jax.bench NAME [--json PATH] ...` prints a table, writes JSON.
+
+train   training tokens/s and model FLOP/s of a config vs this machine's matmul FLOP/s
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+BENCHMARKS = {
+    "train": "v41jax.bench.train_bench",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(
+                f"error: unknown benchmark {argv[0]!r}; choose from {sorted(BENCHMARKS)}",
+                file=sys.stderr,
+            )
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    module = importlib.import_module(BENCHMARKS[argv[0]])
+    parser = argparse.ArgumentParser(
+        prog=f"python -m v41jax.bench {argv[0]}", description=module.__doc__
+    )
+    module.add_args(parser)
+    return module.run(parser.parse_args(argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
