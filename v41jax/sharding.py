@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from flax import linen as nn
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from v41jax.config import MeshConfig
+if TYPE_CHECKING:  # config imports the feature configs, whose packages import this module
+    from v41jax.config import MeshConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -33,6 +35,13 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    # Engram tables are row-sharded over every device: they are meant to outgrow one device,
+    # and a lookup only ever moves the few rows its tokens address (v41jax/engram/sharded.py).
+    ("engram_rows", ("data", "fsdp", "tensor")),
+    ("engram_head_dim", None),
+    ("engram_embed", None),
+    ("engram_branch", None),
+    ("engram_taps", None),
     # activations
     ("batch", ("data", "fsdp")),
     ("length", None),
@@ -74,9 +83,20 @@ def logical_to_sharding(mesh: Mesh, logical_axes: Sequence[str | None]) -> Named
     return NamedSharding(mesh, spec)
 
 
+def mesh_axes_of(logical_name: str) -> tuple[str, ...]:
+    """The mesh axes a logical axis name maps to (empty when replicated)."""
+    for name, axes in LOGICAL_AXIS_RULES:
+        if name == logical_name:
+            return () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+    raise KeyError(f"logical axis {logical_name!r} has no rule in LOGICAL_AXIS_RULES")
+
+
+BATCH_MESH_AXES = ("data", "fsdp")
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch arrays [B, T, ...]: rows split over data x fsdp, the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    return NamedSharding(mesh, PartitionSpec(BATCH_MESH_AXES))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

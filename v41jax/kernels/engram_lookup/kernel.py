@@ -1,0 +1,249 @@
+"""Pallas kernels for the Engram lookup: gather H rows per token, dequantise, concatenate.
+
+Equation (REFERENCE.md §1, "Embedding"): for token t with flat-table row ids ``ids[t, h]``
+(head offsets already added) and an optional per-row FP8 scale ``s``::
+
+    out[t, h*E:(h+1)*E] = table[ids[t, h]].astype(f32) * s[ids[t, h]]        (h = 0..H-1)
+
+Two kernels, one per compiled backend, both run in interpret mode on CPU in the tests:
+
+``engram_lookup_dma`` (TPU / Mosaic). The flat ids ``[N*H]`` go to SMEM by scalar prefetch;
+the table (and scale) stay in HBM (``pl.ANY``) and every row is fetched by its own manual
+DMA whose source offset is the id read from SMEM. Grid ``(ceil(N / bt),)``: step ``b``
+owns tokens ``[b*bt, (b+1)*bt)``, i.e. ``bt*H`` consecutive flat rows, and writes output
+block ``(bt*H, E)`` of the ``[N*H, E]`` result (a free reshape of ``[N, H*E]``, so the
+heads land concatenated). Two VMEM slots double-buffer across steps: step ``b`` starts the
+``bt*H`` row copies of block ``b+1`` into the other slot, then waits for its own (started
+by step ``b-1``, or by itself at ``b == 0``), dequantises the slot and stores it. All row
+copies of a block are in flight together, which is what hides HBM latency for tiny rows.
+
+``engram_lookup_vector`` (GPU / Triton). Triton has no scalar prefetch, but its loads
+take integer-array indices, so the gather is a vector load. Grid ``(ceil(N / bt),)``: step
+``b`` loads its ids block ``(bt, H)`` and, for each head ``h`` (static loop), loads the
+``(bt, E)`` rows ``table[ids[:, h]]`` (and ``(bt,)`` scales) straight from global memory
+and stores them into columns ``[h*E, (h+1)*E)`` of output block ``(bt, H*E)``.
+
+Both pad the token count up to a multiple of ``bt`` with id 0 (a valid row) and slice
+the padding off, so any N works. Verified here in interpret mode only (the TPU
+interpreter also checks semaphore balance and races); the compiled twins in the tests run
+only on their hardware. Ids are not range-checked: an out-of-range id is
+undefined behaviour (a DMA/load outside the table); see ``api.check_ids``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+# Ids per pallas_call of the DMA kernel: they all sit in SMEM (4 bytes each), which holds
+# well under 1 MiB on current TPUs, so longer id lists are split into several calls.
+MAX_IDS_PER_DMA_CALL = 1 << 15
+
+
+def _pad_tokens(ids_NxH: jax.Array, block_tokens: int) -> tuple[jax.Array, int]:
+    """Pads the token axis with id 0 up to a multiple of ``block_tokens``; returns (ids, N)."""
+    n = ids_NxH.shape[0]
+    pad = -n % block_tokens
+    if pad:
+        ids_NxH = jnp.pad(ids_NxH, ((0, pad), (0, 0)))
+    return ids_NxH, n
+
+
+def _dequantise(rows: jax.Array, scale: jax.Array | None, out_dtype) -> jax.Array:
+    """``rows.astype(f32) * scale`` (or a plain cast without scale), exactly as the reference."""
+    if scale is None:
+        return rows.astype(out_dtype)
+    return (rows.astype(jnp.float32) * scale).astype(out_dtype)
+
+
+# --------------------------------------------------------------------------------------
+# TPU: scalar-prefetched ids drive one manual DMA per row, double-buffered across steps.
+# --------------------------------------------------------------------------------------
+
+
+def _dma_kernel(ids_smem, table_hbm, *refs, rows_per_block: int, has_scale: bool, out_dtype):
+    if has_scale:
+        scale_hbm, out_ref, rows_buf, scale_buf, sems = refs
+    else:
+        (out_ref, rows_buf, sems), scale_hbm, scale_buf = refs, None, None
+    step, num_steps = pl.program_id(0), pl.num_programs(0)
+
+    def row_copies(block, slot, r):
+        """The DMA descriptors that bring flat row ``block*rows_per_block + r`` into ``slot``."""
+        row = ids_smem[block * rows_per_block + r]
+        copies = [
+            pltpu.make_async_copy(
+                table_hbm.at[pl.ds(row, 1)], rows_buf.at[slot, pl.ds(r, 1)], sems.at[slot, 0]
+            )
+        ]
+        if has_scale:
+            copies.append(
+                pltpu.make_async_copy(
+                    scale_hbm.at[pl.ds(row, 1)], scale_buf.at[slot, pl.ds(r, 1)], sems.at[slot, 1]
+                )
+            )
+        return copies
+
+    def start_block(block, slot):
+        def body(r, carry):
+            for copy in row_copies(block, slot, r):
+                copy.start()
+            return carry
+
+        lax.fori_loop(0, rows_per_block, body, 0)
+
+    def wait_block(block, slot):
+        # Every wait consumes one row's worth of bytes on the slot's semaphore, so waiting
+        # once per started copy (same shapes) drains exactly what start_block signalled.
+        def body(r, carry):
+            for copy in row_copies(block, slot, r):
+                copy.wait()
+            return carry
+
+        lax.fori_loop(0, rows_per_block, body, 0)
+
+    @pl.when(step == 0)
+    def _():
+        start_block(0, 0)
+
+    @pl.when(step + 1 < num_steps)
+    def _():
+        start_block(step + 1, (step + 1) % 2)
+
+    slot = step % 2
+    wait_block(step, slot)
+    scale = scale_buf[slot] if has_scale else None  # [rows_per_block, 1]
+    out_ref[...] = _dequantise(rows_buf[slot], scale, out_dtype)
+
+
+def _dma_call(table_RxE, ids_M, scale_Rx1, *, rows_per_block, out_dtype, interpret):
+    """One pallas_call over ``M`` flat ids (a multiple of ``rows_per_block``) -> ``[M, E]``."""
+    (num_ids,) = ids_M.shape
+    emb = table_RxE.shape[1]
+    has_scale = scale_Rx1 is not None
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    in_specs = [any_spec, any_spec] if has_scale else [any_spec]
+    scratch = [pltpu.VMEM((2, rows_per_block, emb), table_RxE.dtype)]
+    if has_scale:
+        scratch.append(pltpu.VMEM((2, rows_per_block, 1), jnp.float32))
+    scratch.append(pltpu.SemaphoreType.DMA((2, 2)))
+    kernel = functools.partial(
+        _dma_kernel, rows_per_block=rows_per_block, has_scale=has_scale, out_dtype=out_dtype
+    )
+    operands = (table_RxE, scale_Rx1) if has_scale else (table_RxE,)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(num_ids // rows_per_block,),
+            in_specs=in_specs,
+            out_specs=pl.BlockSpec((rows_per_block, emb), lambda b, ids: (b, 0)),
+            scratch_shapes=scratch,
+        ),
+        out_shape=jax.ShapeDtypeStruct((num_ids, emb), out_dtype),
+        # Sequential grid: step b prefetches block b+1 into the slot step b+1 reads.
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+    )(ids_M, *operands)
+
+
+def engram_lookup_dma(
+    table_RxE: jax.Array,
+    ids_NxH: jax.Array,
+    row_scale_R: jax.Array | None = None,
+    *,
+    block_tokens: int = 8,
+    out_dtype=jnp.float32,
+    interpret: bool = False,
+    max_ids_per_call: int = MAX_IDS_PER_DMA_CALL,
+) -> jax.Array:
+    """TPU kernel: ``[R, E]`` table, ``[N, H]`` int ids, optional ``[R]`` scale -> ``[N, H*E]``.
+
+    Block: ``block_tokens`` tokens = ``block_tokens*H`` rows per grid step (a multiple of 8
+    on TPU, the sublane tiling of the output block). Ids beyond ``max_ids_per_call`` (SMEM
+    size) are processed by further calls, each a whole number of blocks.
+    """
+    n_tokens, heads = ids_NxH.shape
+    emb = table_RxE.shape[1]
+    ids_NxH, n_tokens = _pad_tokens(ids_NxH, block_tokens)
+    rows_per_block = block_tokens * heads
+    ids_M = ids_NxH.reshape(-1).astype(jnp.int32)
+    scale_Rx1 = None if row_scale_R is None else row_scale_R.reshape(-1, 1)
+    chunk = max(1, max_ids_per_call // rows_per_block) * rows_per_block
+    outs = [
+        _dma_call(
+            table_RxE,
+            ids_M[start : start + chunk],
+            scale_Rx1,
+            rows_per_block=rows_per_block,
+            out_dtype=out_dtype,
+            interpret=interpret,
+        )
+        for start in range(0, ids_M.shape[0], chunk)
+    ]
+    out_MxE = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+    return out_MxE.reshape(-1, heads * emb)[:n_tokens]
+
+
+# --------------------------------------------------------------------------------------
+# GPU: vector gather loads (Triton lowering), one token block per program.
+# --------------------------------------------------------------------------------------
+
+
+def _vector_kernel(ids_ref, table_ref, *refs, heads: int, emb: int, has_scale: bool, out_dtype):
+    scale_ref, out_ref = refs if has_scale else (None, refs[0])
+    for h in range(heads):  # static: H is small and each head writes its own column range
+        idx = ids_ref[:, h]  # [bt]
+        scale = scale_ref[idx][:, None] if has_scale else None
+        out_ref[:, h * emb : (h + 1) * emb] = _dequantise(table_ref[idx, :], scale, out_dtype)
+
+
+def engram_lookup_vector(
+    table_RxE: jax.Array,
+    ids_NxH: jax.Array,
+    row_scale_R: jax.Array | None = None,
+    *,
+    block_tokens: int = 32,
+    out_dtype=jnp.float32,
+    interpret: bool = False,
+    num_warps: int = 4,
+) -> jax.Array:
+    """GPU kernel: ``[R, E]`` table, ``[N, H]`` int ids, optional ``[R]`` scale -> ``[N, H*E]``.
+
+    Block: ``block_tokens`` tokens per program; each load/store is ``(block_tokens, E)``,
+    which the Triton lowering needs to be a power of two in size.
+    """
+    rows, emb = table_RxE.shape
+    heads = ids_NxH.shape[1]
+    ids_NxH, n_tokens = _pad_tokens(ids_NxH.astype(jnp.int32), block_tokens)
+    has_scale = row_scale_R is not None
+    # The table/scale "blocks" are the whole arrays: on GPU a block is only a base pointer,
+    # the kernel's gather load reads just the rows it names.
+    in_specs = [
+        pl.BlockSpec((block_tokens, heads), lambda b: (b, 0)),
+        pl.BlockSpec((rows, emb), lambda b: (0, 0)),
+    ]
+    operands = [ids_NxH, table_RxE]
+    if has_scale:
+        in_specs.append(pl.BlockSpec((rows,), lambda b: (0,)))
+        operands.append(row_scale_R)
+    kernel = functools.partial(
+        _vector_kernel, heads=heads, emb=emb, has_scale=has_scale, out_dtype=out_dtype
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(ids_NxH.shape[0] // block_tokens,),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((block_tokens, heads * emb), lambda b: (b, 0)),
+        out_shape=jax.ShapeDtypeStruct((ids_NxH.shape[0], heads * emb), out_dtype),
+        # Explicit Triton params: the default GPU lowering (Mosaic GPU) has no gather load.
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+    )(*operands)
+    return out[:n_tokens]
