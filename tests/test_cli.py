@@ -11,9 +11,9 @@ def _run(*args):
     )
 
 
-def test_train_eval_generate(tmp_path):
-    workdir = str(tmp_path / "run")
-    train = _run(
+def _train(workdir):
+    """The issue's exact command."""
+    return _run(
         "train",
         "--config",
         "tiny",
@@ -26,6 +26,11 @@ def test_train_eval_generate(tmp_path):
         "--set",
         "train.log_every=1",
     )
+
+
+def test_train_eval_generate(tmp_path):
+    workdir = str(tmp_path / "run")
+    train = _train(workdir)
     assert train.returncode == 0, train.stderr
     with open(f"{workdir}/metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]
@@ -53,19 +58,7 @@ def test_train_eval_generate(tmp_path):
     assert gen.returncode == 0, gen.stderr
     assert gen.stdout.count("--- step 24") == 2 and "The Congress" in gen.stdout
 
-    again = _run(
-        "train",
-        "--config",
-        "tiny",
-        "--workdir",
-        workdir,
-        "--set",
-        "train.steps=24",
-        "--set",
-        "train.checkpoint_every=4",
-        "--set",
-        "train.log_every=1",
-    )
+    again = _train(workdir)
     assert again.returncode == 0 and "resumed from" in again.stdout  # finished: just evaluates
 
 

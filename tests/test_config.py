@@ -112,3 +112,20 @@ def test_cli_help_lists_subcommands_and_rejects_bad_keys(tmp_path):
     )
     assert bad.returncode == 2
     assert "train.bogus" in bad.stderr and "train.steps" in bad.stderr
+
+
+def test_nested_overrides_are_validated_together():
+    cfg = config_lib.override(
+        config_lib.get_config("tiny"),
+        [
+            "model.engram.layer_ids=0,1",
+            "model.engram.max_ngram_size=2",
+            "model.engram.engram_vocab_size=1000",
+        ],
+    )
+    assert cfg.model.engram.layer_ids == (0, 1)
+    assert cfg.model.engram.engram_vocab_size == (1000,)
+    with pytest.raises(ValueError, match=r"layer_ids=\(5,\): \[5\] >= num_layers=2"):
+        config_lib.override(cfg, ["model.engram.layer_ids=5"])
+    with pytest.raises(ValueError, match="engram_vocab_size=.* needs one size per order"):
+        config_lib.override(cfg, ["model.engram.max_ngram_size=3"])

@@ -87,6 +87,7 @@ def cmd_generate(args) -> int:
         top_p=top_p,
         rng=jax.random.PRNGKey(seed),
         eos_id=run.tokenizer.eos_id,
+        compression=run.compression.table,
     )
     for prompt, row in zip(prompts, np.asarray(out), strict=True):
         ids = [int(t) for t in row]

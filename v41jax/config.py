@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from v41jax.engram.config import EngramConfig
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -58,6 +60,8 @@ class ModelConfig:
     segment_mask: bool = True  # packed documents do not attend to each other
     init_std: float = 0.02
     remat: bool = False  # recompute block activations in the backward pass
+    # Engram memory before attention at engram.layer_ids (none by default).
+    engram: EngramConfig = field(default_factory=EngramConfig)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -162,6 +166,11 @@ def validate(cfg: Config) -> None:
         f"model.d_model={m.d_model} not divisible by model.num_heads={m.num_heads}; set head_dim",
     )
     _require(m.resolved_head_dim % 2 == 0, f"head dim {m.resolved_head_dim} must be even (RoPE)")
+    bad_layers = [i for i in m.engram.layer_ids if i >= m.num_layers]
+    _require(
+        not bad_layers,
+        f"model.engram.layer_ids={m.engram.layer_ids}: {bad_layers} >= num_layers={m.num_layers}",
+    )
     for name in ("compute_dtype", "param_dtype"):
         _require(getattr(m, name) in DTYPES, f"model.{name}={getattr(m, name)!r} not in {DTYPES}")
     _require(
@@ -304,6 +313,7 @@ def override(cfg: Config, assignments: list[str]) -> Config:
     dataclasses (e.g. optim.param_groups) take a JSON list of objects.
     """
     leaves = _leaf_keys(Config)
+    tree = to_dict(cfg)
     for assignment in assignments:
         if "=" not in assignment:
             raise ValueError(f"--set {assignment!r}: expected KEY=VALUE")
@@ -311,14 +321,14 @@ def override(cfg: Config, assignments: list[str]) -> Config:
         key = key.strip()
         if key not in leaves:
             raise KeyError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(leaves))}")
-        value = _parse_value(leaves[key], text, key)
-        section, _, leaf = key.rpartition(".")
-        if section:
-            sub = dataclasses.replace(getattr(cfg, section), **{leaf: value})
-            cfg = dataclasses.replace(cfg, **{section: sub})
-        else:
-            cfg = dataclasses.replace(cfg, **{leaf: value})
-    return cfg
+        *sections, leaf = key.split(".")
+        node = tree
+        for section in sections:
+            node = node[section]
+        node[leaf] = to_dict(_parse_value(leaves[key], text, key))
+    # Validated once, after all assignments: a change may need several fields to agree
+    # (e.g. model.engram.max_ngram_size and model.engram.engram_vocab_size).
+    return from_dict(Config, tree)
 
 
 # ----------------------------------------------------------------------------- named configs

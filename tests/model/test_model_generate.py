@@ -135,8 +135,8 @@ def test_prompt_wider_than_cache_raises():
 def test_bf16_compute_generates_with_bf16_cache():
     bf16 = dataclasses.replace(CFG, compute_dtype="bfloat16")
     assert init_cache(bf16, 1)[0]["k"].dtype == jnp.bfloat16
-    _, cache = prefill(params(), bf16, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS))
-    assert cache[0]["k"].dtype == jnp.bfloat16
+    _, state = prefill(params(), bf16, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS))
+    assert state.kv[0]["k"].dtype == jnp.bfloat16 and state.engram_window is None
     got = generate(params(), bf16, PROMPTS, LENGTHS, max_new_tokens=6)
     assert got.shape == (3, 6)
 

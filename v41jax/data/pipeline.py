@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +23,13 @@ from tqdm import tqdm
 
 from v41jax.config import DataConfig
 from v41jax.data.compression import CompressionTable, build_compression_table
-from v41jax.data.corpus import Document, load_documents, resolve_cache_dir, split_documents
+from v41jax.data.corpus import (
+    Document,
+    atomic_write,
+    load_documents,
+    resolve_cache_dir,
+    split_documents,
+)
 from v41jax.data.tokenizer import Tokenizer, load_or_train_tokenizer
 
 _TOKENS_CACHE_VERSION = "tokens-v1"
@@ -93,15 +98,12 @@ def _load_or_tokenize(
             return tokens, _segments_from_lengths(doc_lengths)
         # A corrupt or foreign file under our key: fall through and rewrite it.
     tokens, doc_lengths = _tokenize_docs(tokenizer, docs, desc, show)
-    os.makedirs(cache_dir, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
             np.savez(f, tokens=tokens, doc_lengths=doc_lengths)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    atomic_write(path, write)
     return tokens, _segments_from_lengths(doc_lengths)
 
 

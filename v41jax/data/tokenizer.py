@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from v41jax.data.corpus import resolve_cache_dir
+from v41jax.data.corpus import atomic_write, resolve_cache_dir
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
@@ -85,16 +84,7 @@ class Tokenizer:
 
     def save(self, path: str) -> None:
         """Write the tokenizer JSON atomically (a reader never sees a half-written file)."""
-        folder = os.path.dirname(os.path.abspath(path))
-        os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-        os.close(fd)
-        try:
-            self._tok.save(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+        atomic_write(path, self._tok.save)
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:

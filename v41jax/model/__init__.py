@@ -8,7 +8,7 @@ from v41jax.model.attention import (
     make_attention_mask,
     update_cache,
 )
-from v41jax.model.generate import decode_step, generate, init_cache, prefill
+from v41jax.model.generate import DecodeState, decode_step, generate, init_cache, prefill
 from v41jax.model.layers import (
     Embed,
     RMSNorm,
@@ -20,18 +20,23 @@ from v41jax.model.layers import (
 )
 from v41jax.model.sampling import check_sampling_args, sample_logits, sampling_probs
 from v41jax.model.transformer import (
+    ENGRAM_IDS_PREFIX,
     FFN_KINDS,
     Block,
     BlockInputs,
     ModelOutput,
     Transformer,
     count_params,
+    engram_ids_key,
     init_params,
     make_ffn,
     model_flops_per_token,
 )
 
 __all__ = [
+    "DecodeState",
+    "ENGRAM_IDS_PREFIX",
+    "engram_ids_key",
     "FFN_KINDS",
     "Attention",
     "Block",

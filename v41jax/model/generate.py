@@ -10,16 +10,53 @@ token sits at slot L_b + i. `params` is the tree under "params" (boxed or plain)
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from v41jax.config import ModelConfig
+from v41jax.engram import ngram_hash_ids_jax, ngram_hash_ids_step, roll_window
 from v41jax.model.attention import KVCache
 from v41jax.model.sampling import Scalar, check_sampling_args, sample_logits
-from v41jax.model.transformer import Transformer
+from v41jax.model.transformer import Transformer, engram_ids_key
+
+
+class DecodeState(NamedTuple):
+    """What decoding carries between steps.
+
+    kv: per-layer KV caches (`init_cache`).
+    engram_window: int32 [B, max_ngram_size] compressed ids of the last tokens fed (last
+        column = most recent; pad_id before the start) when the model has Engram, else None:
+        the next token's hash ids need only these (`ngram_hash_ids_step`).
+    """
+
+    kv: list[KVCache]
+    engram_window: jax.Array | None = None
+
+
+def _engram_extras_full(cfg: ModelConfig, compressed_BxT: jax.Array) -> dict[str, jax.Array]:
+    return {
+        engram_ids_key(layer): ngram_hash_ids_jax(compressed_BxT, layer, cfg.engram)
+        for layer in cfg.engram.layer_ids
+    }
+
+
+def _window_ending_at(cfg: ModelConfig, compressed_BxP: jax.Array, last_B: jax.Array):
+    """[B, N] compressed ids at positions last-N+1 .. last (pad_id where < 0)."""
+    n = cfg.engram.max_ngram_size
+    pos_BxN = last_B[:, None] - (n - 1) + jnp.arange(n, dtype=jnp.int32)
+    got_BxN = jnp.take_along_axis(compressed_BxP, jnp.maximum(pos_BxN, 0), axis=1)
+    return jnp.where(pos_BxN >= 0, got_BxN, cfg.engram.pad_id).astype(jnp.int32)
+
+
+def _check_compression(cfg: ModelConfig, compression: jax.Array | None) -> None:
+    if cfg.engram.enabled and compression is None:
+        raise ValueError(
+            "this model has Engram layers: pass `compression`, the tokenizer's compression "
+            "table (int32 [vocab_size], original id -> compressed id)"
+        )
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, dtype: Any = None) -> list[KVCache]:
@@ -34,21 +71,35 @@ def init_cache(cfg: ModelConfig, batch_size: int, dtype: Any = None) -> list[KVC
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def prefill(
-    params: Any, cfg: ModelConfig, tokens_BxP: jax.Array, lengths_B: jax.Array
-) -> tuple[jax.Array, list[KVCache]]:
+    params: Any,
+    cfg: ModelConfig,
+    tokens_BxP: jax.Array,
+    lengths_B: jax.Array,
+    compression: jax.Array | None = None,
+) -> tuple[jax.Array, DecodeState]:
     """Run right-padded prompts [B, P] through a fresh cache.
 
-    Returns (logits float32 [B, V] at position lengths[b] - 1, the filled cache).
+    Returns (logits float32 [B, V] at position lengths[b] - 1, the decode state).
     Requires P <= cfg.max_seq_len and 1 <= lengths[b] <= P (checked by `generate`).
+    compression: int32 [V] original -> compressed ids, required when the model has Engram.
     """
+    _check_compression(cfg, compression)
     b = tokens_BxP.shape[0]
-    cache = init_cache(cfg, b)
-    out = Transformer(cfg).apply(
-        {"params": params}, tokens_BxP, cache=cache, cache_index=jnp.zeros((b,), jnp.int32)
-    )
     last_B = jnp.asarray(lengths_B, jnp.int32) - 1
+    extras, window = {}, None
+    if cfg.engram.enabled:
+        compressed_BxP = jnp.asarray(compression)[tokens_BxP]
+        extras = _engram_extras_full(cfg, compressed_BxP)
+        window = _window_ending_at(cfg, compressed_BxP, last_B)
+    out = Transformer(cfg).apply(
+        {"params": params},
+        tokens_BxP,
+        cache=init_cache(cfg, b),
+        cache_index=jnp.zeros((b,), jnp.int32),
+        extras=extras,
+    )
     last_logits_BxV = jnp.take_along_axis(out.logits, last_B[:, None, None], axis=1)[:, 0]
-    return last_logits_BxV, out.cache
+    return last_logits_BxV, DecodeState(out.cache, window)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
@@ -56,22 +107,34 @@ def decode_step(
     params: Any,
     cfg: ModelConfig,
     tokens_B: jax.Array,
-    cache: list[KVCache],
+    state: DecodeState,
     positions_B: jax.Array,
-) -> tuple[jax.Array, list[KVCache]]:
+    compression: jax.Array | None = None,
+) -> tuple[jax.Array, DecodeState]:
     """Feed one token per row at absolute positions [B] (= its cache slot).
 
-    Returns (next-token logits float32 [B, V], the cache with that slot written).
+    Returns (next-token logits float32 [B, V], the state with that slot written). With
+    Engram, the token's hash ids come from the rolled window of the last max_ngram_size
+    compressed tokens: O(1) per token, equal to hashing the whole sequence again.
     """
+    _check_compression(cfg, compression)
     positions_B = jnp.asarray(positions_B, jnp.int32)
+    extras, window = {}, state.engram_window
+    if cfg.engram.enabled:
+        window = roll_window(window, jnp.asarray(compression)[tokens_B])
+        extras = {
+            engram_ids_key(layer): ngram_hash_ids_step(window, layer, cfg.engram)[:, None, :]
+            for layer in cfg.engram.layer_ids
+        }
     out = Transformer(cfg).apply(
         {"params": params},
         tokens_B[:, None],
         positions_B[:, None],
-        cache=cache,
+        cache=state.kv,
         cache_index=positions_B,
+        extras=extras,
     )
-    return out.logits[:, 0], out.cache
+    return out.logits[:, 0], DecodeState(out.cache, window)
 
 
 def _check_generate_args(
@@ -111,15 +174,20 @@ def generate(
     top_p: Scalar = 1.0,
     rng: jax.Array | None = None,
     eos_id: int | None = None,
+    compression: Any = None,
 ) -> jax.Array:
     """Continue each right-padded prompt by `max_new_tokens` tokens: int32 [B, max_new_tokens].
 
     Sampling as in `sample_logits` (temperature 0 = greedy; rng default key 0). After a row
-    emits `eos_id` it keeps emitting `eos_id`. Raises ValueError when lengths are outside
-    [1, P] or max(lengths) + max_new_tokens > cfg.max_seq_len.
+    emits `eos_id` it keeps emitting `eos_id`. `compression` (int32 [V], the tokenizer's
+    compression table) is required when the model has Engram layers. Raises ValueError when
+    lengths are outside [1, P] or max(lengths) + max_new_tokens > cfg.max_seq_len.
     """
     _check_generate_args(cfg, tuple(prompt_tokens_BxP.shape), prompt_lengths_B, max_new_tokens)
     check_sampling_args(temperature, top_k, top_p)
+    _check_compression(cfg, compression)
+    if compression is not None:
+        compression = jnp.asarray(compression, jnp.int32)
     rng = jax.random.key(0) if rng is None else rng
     return _generate(
         params,
@@ -130,6 +198,7 @@ def generate(
         jnp.asarray(temperature, jnp.float32),
         jnp.asarray(top_k, jnp.int32),
         jnp.asarray(top_p, jnp.float32),
+        compression,
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,
     )
@@ -137,7 +206,18 @@ def generate(
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_id"))
 def _generate(
-    params, cfg, tokens_BxP, lengths_B, rng, temperature, top_k, top_p, *, max_new_tokens, eos_id
+    params,
+    cfg,
+    tokens_BxP,
+    lengths_B,
+    rng,
+    temperature,
+    top_k,
+    top_p,
+    compression,
+    *,
+    max_new_tokens,
+    eos_id,
 ):
     def sample(key, logits_BxV, done_B):
         tok_B = sample_logits(key, logits_BxV, temperature, top_k, top_p)
@@ -146,16 +226,16 @@ def _generate(
         tok_B = jnp.where(done_B, eos_id, tok_B)
         return tok_B, done_B | (tok_B == eos_id)
 
-    logits_BxV, cache = prefill(params, cfg, tokens_BxP, lengths_B)
+    logits_BxV, state = prefill(params, cfg, tokens_BxP, lengths_B, compression)
     rng, key = jax.random.split(rng)
     first_B, done_B = sample(key, logits_BxV, jnp.zeros(lengths_B.shape, bool))
 
     def step(carry, key):
-        cache, tok_B, pos_B, done_B = carry
-        logits_BxV, cache = decode_step(params, cfg, tok_B, cache, pos_B)
+        state, tok_B, pos_B, done_B = carry
+        logits_BxV, state = decode_step(params, cfg, tok_B, state, pos_B, compression)
         tok_B, done_B = sample(key, logits_BxV, done_B)
-        return (cache, tok_B, pos_B + 1, done_B), tok_B
+        return (state, tok_B, pos_B + 1, done_B), tok_B
 
     keys = jax.random.split(rng, max_new_tokens - 1)
-    _, rest_NxB = jax.lax.scan(step, (cache, first_B, lengths_B, done_B), keys)
+    _, rest_NxB = jax.lax.scan(step, (state, first_B, lengths_B, done_B), keys)
     return jnp.concatenate([first_B[:, None], rest_NxB.T], axis=1)

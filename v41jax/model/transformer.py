@@ -26,10 +26,18 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from v41jax.config import ModelConfig
+from v41jax.engram import Engram
 from v41jax.model.attention import Attention, KVCache, make_attention_mask
 from v41jax.model.layers import Embed, RMSNorm, SwiGLU, normal_init
 
 RESIDUAL_AXES = ("batch", "length", "act_embed")
+ENGRAM_IDS_PREFIX = "engram_ids_"
+
+
+def engram_ids_key(layer: int) -> str:
+    """Key in `extras` (and in training batches) of layer `layer`'s Engram hash ids
+    int32 [B, T, (max_ngram_size - 1) * n_head_per_ngram]."""
+    return f"{ENGRAM_IDS_PREFIX}{layer}"
 
 
 class ModelOutput(NamedTuple):
@@ -110,6 +118,14 @@ class Block(nn.Module):
         )
         self.ffn_norm = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype)
         self.ffn = make_ffn(c, self.ffn_kind)
+        if self.layer_index in c.engram.layer_ids:
+            self.engram = Engram(
+                c.engram,
+                layer_id=self.layer_index,
+                hidden_size=c.d_model,
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
 
     def __call__(
         self, x_BxTxD: jax.Array, inputs: BlockInputs, cache: KVCache | None = None
@@ -130,11 +146,20 @@ class Block(nn.Module):
         return x_BxTxD, new_cache
 
     def pre_attention(self, x_BxTxD: jax.Array, inputs: BlockInputs) -> jax.Array:
-        """Per-layer memory slot before attention; the identity in the plain block.
-
-        Engram goes here at its chosen layers: `x + Engram(x, inputs.extras[...])`.
-        """
-        return x_BxTxD
+        """Per-layer memory before attention: `h <- h + Engram(h, ids)` at the layers in
+        `cfg.engram.layer_ids` (ids from `inputs.extras[engram_ids_key(layer)]`), else h."""
+        if self.layer_index not in self.cfg.engram.layer_ids:
+            return x_BxTxD
+        key = engram_ids_key(self.layer_index)
+        if key not in inputs.extras:
+            raise ValueError(
+                f"layer {self.layer_index} has an Engram module but extras has no {key!r} "
+                f"(hash ids [B, T, {self.cfg.engram.num_heads_total}]); got {sorted(inputs.extras)}"
+            )
+        delta_BxTxD = self.engram(x_BxTxD, inputs.extras[key])
+        return nn.with_logical_constraint(
+            x_BxTxD + delta_BxTxD.astype(x_BxTxD.dtype), RESIDUAL_AXES
+        )
 
     def residual(
         self, x_BxTxD: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Array, Any]]

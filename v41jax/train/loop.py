@@ -16,6 +16,7 @@ point and restarted with the same command retraces the uninterrupted run step fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -26,8 +27,16 @@ from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
 from v41jax.config import Config
-from v41jax.data import BatchIterator, PreparedData, Tokenizer, eval_batches, prepare_data
+from v41jax.data import (
+    BatchIterator,
+    CompressionTable,
+    PreparedData,
+    Tokenizer,
+    eval_batches,
+    prepare_data,
+)
 from v41jax.sharding import make_mesh
+from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.metrics import MetricsWriter
 from v41jax.train.state import make_state_fns
@@ -62,6 +71,35 @@ def _check_or_save_config(cfg: Config, workdir: str) -> None:
             )
     elif jax.process_index() == 0:
         config_lib.save_json(cfg, path)
+
+
+def resolve_data_dependent(cfg: Config, data: PreparedData) -> Config:
+    """Fill what only the data knows: Engram's compressed vocabulary size V'."""
+    engram = cfg.model.engram
+    v_prime = data.compression.compressed_vocab_size
+    if not engram.enabled:
+        return cfg
+    if engram.compressed_vocab_size not in (0, v_prime):
+        raise ValueError(
+            f"model.engram.compressed_vocab_size={engram.compressed_vocab_size} but the "
+            f"tokenizer's compression table has V'={v_prime}; leave it 0 to take it from the data"
+        )
+    engram = dataclasses.replace(engram, compressed_vocab_size=v_prime)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
+
+
+def validation_batches(cfg: Config, data: PreparedData, num_batches: int) -> list[dict]:
+    """The first `num_batches` validation batches of this process, Engram ids included."""
+    batches = eval_batches(
+        data.val_tokens,
+        data.val_segments,
+        cfg.data.seq_len,
+        cfg.data.global_batch_size,
+        num_batches,
+        jax.process_index(),
+        jax.process_count(),
+    )
+    return [add_engram_ids(b, data.compression, cfg.model) for b in batches]
 
 
 def _prepare(cfg: Config, workdir: str, progress: bool) -> PreparedData:
@@ -102,8 +140,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     maybe_initialize_distributed()
     main = jax.process_index() == 0
     os.makedirs(workdir, exist_ok=True)
-    _check_or_save_config(cfg, workdir)
     data = _prepare(cfg, workdir, progress and main)
+    cfg = resolve_data_dependent(cfg, data)
+    _check_or_save_config(cfg, workdir)
     mesh = make_mesh(cfg.mesh)
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.data.global_batch_size % shards:
@@ -137,15 +176,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         )
     train_step = make_train_step(cfg, mesh, model, optimizer, shardings)
     eval_step = make_eval_step(cfg, mesh, model, shardings.params)
-    val = eval_batches(
-        data.val_tokens,
-        data.val_segments,
-        cfg.data.seq_len,
-        cfg.data.global_batch_size,
-        cfg.train.eval_batches,
-        jax.process_index(),
-        jax.process_count(),
-    )
+    val = validation_batches(cfg, data, cfg.train.eval_batches)
+    prepare = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)
+    batches = PrefetchingBatches(iterator, prepare)
     writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
@@ -162,7 +195,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         ) as bar,
     ):
         for step in range(start + 1, steps + 1):
-            state, metrics = train_step(state, device_batch(mesh, next(iterator)))
+            state, metrics = train_step(state, device_batch(mesh, next(batches)))
             if step % cfg.train.log_every == 0 or step == steps:
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if not np.isfinite(metrics["loss"]):
@@ -192,6 +225,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     if main and not result.get("stopped"):
         with open(os.path.join(workdir, "eval.json"), "w") as f:
             json.dump(result, f, indent=2)
+    batches.close()
     checkpointer.close()
     return result
 
@@ -200,6 +234,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
 class LoadedRun:
     cfg: Config
     tokenizer: Tokenizer
+    compression: CompressionTable
     params: object
     step: int
     mesh: object
@@ -214,6 +249,7 @@ def load_run(workdir: str, step: int | None = None) -> LoadedRun:
         raise FileNotFoundError(f"{workdir} holds no run (no config.json); train one first")
     cfg = config_lib.load_json(path)
     tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.json"))
+    compression = CompressionTable.load(os.path.join(workdir, "compression.npz"))
     mesh = make_mesh(cfg.mesh)
     model, _, _, shardings, abstract = make_state_fns(cfg, mesh)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
@@ -225,7 +261,7 @@ def load_run(workdir: str, step: int | None = None) -> LoadedRun:
         )
     state, _ = checkpointer.restore(step, abstract)
     checkpointer.close()
-    return LoadedRun(cfg, tokenizer, state.params, step, mesh, model, shardings.params)
+    return LoadedRun(cfg, tokenizer, compression, state.params, step, mesh, model, shardings.params)
 
 
 def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = False) -> dict:
@@ -233,13 +269,5 @@ def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = 
     run = load_run(workdir)
     data = prepare_data(run.cfg.data, show_progress=progress)
     eval_step = make_eval_step(run.cfg, run.mesh, run.model, run.param_shardings)
-    val = eval_batches(
-        data.val_tokens,
-        data.val_segments,
-        run.cfg.data.seq_len,
-        run.cfg.data.global_batch_size,
-        num_batches or run.cfg.train.eval_batches,
-        jax.process_index(),
-        jax.process_count(),
-    )
+    val = validation_batches(run.cfg, data, num_batches or run.cfg.train.eval_batches)
     return {"step": run.step, **evaluate(eval_step, run.mesh, run.params, val)}

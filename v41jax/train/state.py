@@ -7,6 +7,7 @@ and checkpoint restore reads each shard straight into place.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -16,8 +17,8 @@ from flax import struct
 from jax.sharding import Mesh
 
 from v41jax import sharding
-from v41jax.config import Config
-from v41jax.model import Transformer
+from v41jax.config import Config, OptimConfig, ParamGroup
+from v41jax.model import Transformer, engram_ids_key
 from v41jax.train.optimizer import make_optimizer
 
 
@@ -31,13 +32,36 @@ class TrainState:
     rng: jax.Array
 
 
+ENGRAM_TABLE_GROUP = "engram_tables"
+
+
+def optimizer_config(cfg: Config) -> OptimConfig:
+    """`cfg.optim` plus, with Engram, a first-matching group for the tables (paper: Adam at
+    5x the base LR, no weight decay; `model.engram.table_lr_scale/table_weight_decay`)."""
+    engram = cfg.model.engram
+    if not engram.enabled:
+        return cfg.optim
+    tables = ParamGroup(
+        ENGRAM_TABLE_GROUP,
+        r"(^|/)engram/table$",
+        lr_scale=engram.table_lr_scale,
+        weight_decay=engram.table_weight_decay,
+    )
+    return dataclasses.replace(cfg.optim, param_groups=(tables, *cfg.optim.param_groups))
+
+
 def build_model(cfg: Config) -> Transformer:
     return Transformer(cfg.model)
 
 
 def _init_params(model: nn.Module, cfg: Config, rng: jax.Array):
     tokens = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
-    return model.init(rng, tokens)["params"]
+    engram = cfg.model.engram
+    extras = {
+        engram_ids_key(layer): jnp.zeros((1, cfg.data.seq_len, engram.num_heads_total), jnp.int32)
+        for layer in engram.layer_ids
+    }
+    return model.init(rng, tokens, extras=extras)["params"]
 
 
 def make_state_fns(cfg: Config, mesh: Mesh):
@@ -48,7 +72,7 @@ def make_state_fns(cfg: Config, mesh: Mesh):
     """
     model = build_model(cfg)
     boxed = jax.eval_shape(lambda: _init_params(model, cfg, jax.random.PRNGKey(0)))
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps, nn.unbox(boxed))
+    optimizer = make_optimizer(optimizer_config(cfg), cfg.train.steps, nn.unbox(boxed))
 
     def init_state(seed: jax.Array) -> TrainState:
         key = jax.random.PRNGKey(seed)

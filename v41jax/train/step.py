@@ -17,10 +17,10 @@ from jax.sharding import Mesh
 
 from v41jax import sharding
 from v41jax.config import Config
+from v41jax.model import ENGRAM_IDS_PREFIX
+from v41jax.train.batches import batch_keys
 from v41jax.train.optimizer import lr_schedule
 from v41jax.train.state import TrainState
-
-BATCH_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_mask")
 
 
 def next_token_loss(
@@ -40,11 +40,13 @@ def next_token_loss(
 
 
 def _forward_loss(model, params, batch, z_loss):
+    extras = {k: v for k, v in batch.items() if k.startswith(ENGRAM_IDS_PREFIX)}
     out = model.apply(
         {"params": params},
         batch["inputs"],
         batch["positions"],
         batch["segment_ids"],
+        extras=extras,
     )
     return next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
 
@@ -67,7 +69,7 @@ def make_train_step(
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
-    batch_shardings = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
+    batch_shardings = {k: sharding.batch_sharding(mesh) for k in batch_keys(cfg.model)}
     jitted = jax.jit(
         train_step,
         in_shardings=(state_shardings, batch_shardings),
@@ -84,7 +86,7 @@ def make_eval_step(cfg: Config, mesh: Mesh, model, param_shardings) -> Callable:
         _, metrics = _forward_loss(model, params, batch, 0.0)
         return {"loss_sum": metrics["ce"] * metrics["tokens"], "tokens": metrics["tokens"]}
 
-    batch_shardings = {k: sharding.batch_sharding(mesh) for k in BATCH_KEYS}
+    batch_shardings = {k: sharding.batch_sharding(mesh) for k in batch_keys(cfg.model)}
     jitted = jax.jit(
         eval_step,
         in_shardings=(param_shardings, batch_shardings),
@@ -107,9 +109,7 @@ def _with_mesh(mesh: Mesh, fn: Callable) -> Callable:
 
 def device_batch(mesh: Mesh, local_batch: dict) -> dict:
     """Per-process numpy batch -> global jax.Arrays sharded over (data, fsdp)."""
-    out = {}
-    for k in BATCH_KEYS:
-        out[k] = jax.make_array_from_process_local_data(
-            sharding.batch_sharding(mesh), local_batch[k]
-        )
-    return out
+    batch_sharding = sharding.batch_sharding(mesh)
+    return {
+        k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local_batch.items()
+    }
