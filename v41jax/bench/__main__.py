@@ -10,6 +10,7 @@ import sys
 
 BENCHMARKS = {
     "train": "v41jax.bench.train_bench",
+    "engram": "v41jax.bench.engram_bench",
 }
 
 
