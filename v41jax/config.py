@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from v41jax.engram.config import EngramConfig
+from v41jax.mhc.config import MHCConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -62,6 +63,8 @@ class ModelConfig:
     remat: bool = False  # recompute block activations in the backward pass
     # Engram memory before attention at engram.layer_ids (none by default).
     engram: EngramConfig = field(default_factory=EngramConfig)
+    # mHC residual streams around every sub-layer (n_streams = 0: plain residual).
+    mhc: MHCConfig = field(default_factory=MHCConfig)
 
     @property
     def resolved_head_dim(self) -> int:

@@ -42,10 +42,15 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("engram_embed", None),
     ("engram_branch", None),
     ("engram_taps", None),
+    # mHC coefficient params are tiny (n*C x (n^2 + 2n)): replicated, no all-gather needed.
+    ("mhc_flat", None),
+    ("mhc_coeff", None),
+    ("mhc_gates", None),
     # activations
     ("batch", ("data", "fsdp")),
     ("length", None),
     ("act_embed", None),
+    ("act_streams", None),
     ("act_mlp", "tensor"),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),

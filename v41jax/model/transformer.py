@@ -27,10 +27,12 @@ from flax import linen as nn
 
 from v41jax.config import ModelConfig
 from v41jax.engram import Engram
+from v41jax.mhc import MHCResidual, expand_streams, reduce_streams
 from v41jax.model.attention import Attention, KVCache, make_attention_mask
 from v41jax.model.layers import Embed, RMSNorm, SwiGLU, normal_init
 
 RESIDUAL_AXES = ("batch", "length", "act_embed")
+STREAM_AXES = ("batch", "length", "act_streams", "act_embed")  # mHC state [B, T, n, C]
 ENGRAM_IDS_PREFIX = "engram_ids_"
 
 
@@ -123,9 +125,14 @@ class Block(nn.Module):
                 c.engram,
                 layer_id=self.layer_index,
                 hidden_size=c.d_model,
+                # with mHC, one key branch per residual stream ([B, T, n, C] hidden states)
+                num_branches=max(c.mhc.n_streams, 1),
                 dtype=dtype,
                 param_dtype=param_dtype,
             )
+        if c.mhc.enabled:
+            self.attn_mix = MHCResidual(c.mhc, c.d_model)
+            self.ffn_mix = MHCResidual(c.mhc, c.d_model)
 
     def __call__(
         self, x_BxTxD: jax.Array, inputs: BlockInputs, cache: KVCache | None = None
@@ -141,8 +148,8 @@ class Block(nn.Module):
                 inputs.cache_index_B,
             )
 
-        x_BxTxD, new_cache = self.residual(x_BxTxD, attention)
-        x_BxTxD, _ = self.residual(x_BxTxD, lambda h: (self.ffn(self.ffn_norm(h)), None))
+        x_BxTxD, new_cache = self.residual(x_BxTxD, attention, "attn")
+        x_BxTxD, _ = self.residual(x_BxTxD, lambda h: (self.ffn(self.ffn_norm(h)), None), "ffn")
         return x_BxTxD, new_cache
 
     def pre_attention(self, x_BxTxD: jax.Array, inputs: BlockInputs) -> jax.Array:
@@ -162,16 +169,25 @@ class Block(nn.Module):
         )
 
     def residual(
-        self, x_BxTxD: jax.Array, sublayer: Callable[[jax.Array], tuple[jax.Array, Any]]
+        self,
+        x: jax.Array,
+        sublayer: Callable[[jax.Array], tuple[jax.Array, Any]],
+        site: str,
     ) -> tuple[jax.Array, Any]:
-        """The residual connection around a sub-layer F: `x <- x + F(x)`; returns (x, aux).
+        """The residual connection around a sub-layer F; returns (new state, aux).
 
-        `sublayer` maps the residual state to (output, aux) (aux: the new KV cache or None).
-        mHC replaces this with `H_res x + H_post^T F(H_pre x)` over n streams.
+        Plain: `x <- x + F(x)` on [B, T, C]. mHC (`cfg.mhc.n_streams >= 1`): the state is
+        [B, T, n, C] and `x <- H_res x + H_post^T F(H_pre x)`; H_res [B, T, n, n] is sown
+        as intermediates/h_res for the composite-gain diagnostics. `sublayer` maps a
+        [B, T, C] input to (output, aux) (aux: the new KV cache or None).
         """
-        y_BxTxD, aux = sublayer(x_BxTxD)
-        x_BxTxD = nn.with_logical_constraint(x_BxTxD + y_BxTxD.astype(x_BxTxD.dtype), RESIDUAL_AXES)
-        return x_BxTxD, aux
+        if not self.cfg.mhc.enabled:
+            y, aux = sublayer(x)
+            return nn.with_logical_constraint(x + y.astype(x.dtype), RESIDUAL_AXES), aux
+        mix = self.attn_mix if site == "attn" else self.ffn_mix
+        x_new, aux, h_res_BxTxNxN = mix(x, sublayer)
+        self.sow("intermediates", "h_res", h_res_BxTxNxN)
+        return nn.with_logical_constraint(x_new, STREAM_AXES), aux
 
 
 class Transformer(nn.Module):
@@ -251,6 +267,10 @@ class Transformer(nn.Module):
         )
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), RESIDUAL_AXES)
         hidden = {-1: x_BxTxD} if -1 in hidden_layers else {}
+        if c.mhc.enabled:  # n residual streams from here to the final norm
+            x_BxTxD = nn.with_logical_constraint(
+                expand_streams(x_BxTxD, c.mhc.n_streams), STREAM_AXES
+            )
 
         block_cls = nn.remat(Block) if c.remat else Block
         new_caches = []
@@ -260,8 +280,10 @@ class Transformer(nn.Module):
             )
             new_caches.append(layer_cache)
             if i in hidden_layers:
-                hidden[i] = x_BxTxD
+                hidden[i] = reduce_streams(x_BxTxD) if c.mhc.enabled else x_BxTxD
 
+        if c.mhc.enabled:
+            x_BxTxD = reduce_streams(x_BxTxD)
         x_BxTxD = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype, name="final_norm")(x_BxTxD)
         if c.tie_embeddings:
             logits_BxTxV = embed.attend(x_BxTxD)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 
 from v41jax import sharding
 from v41jax.config import Config
+from v41jax.mhc import composite_gain
 from v41jax.model import ENGRAM_IDS_PREFIX
 from v41jax.train.batches import batch_keys
 from v41jax.train.optimizer import lr_schedule
@@ -40,15 +41,35 @@ def next_token_loss(
 
 
 def _forward_loss(model, params, batch, z_loss):
+    """Loss and metrics of one batch; with mHC also the composite gain of the H_res
+    product across depth (`mhc_forward_gain` / `mhc_backward_gain`, worst token)."""
     extras = {k: v for k, v in batch.items() if k.startswith(ENGRAM_IDS_PREFIX)}
-    out = model.apply(
+    out, state = model.apply(
         {"params": params},
         batch["inputs"],
         batch["positions"],
         batch["segment_ids"],
         extras=extras,
+        mutable=["intermediates"],
     )
-    return next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
+    loss, metrics = next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
+    h_res = _h_res_in_depth_order(state.get("intermediates", {}), model.cfg.num_layers)
+    if h_res:
+        gains = composite_gain([jax.lax.stop_gradient(h) for h in h_res])
+        metrics = dict(
+            metrics,
+            mhc_forward_gain=gains["forward_amax"],
+            mhc_backward_gain=gains["backward_amax"],
+        )
+    return loss, metrics
+
+
+def _h_res_in_depth_order(intermediates: dict, num_layers: int) -> list:
+    """[H_res of block 0 attention, block 0 FFN, block 1 attention, ...] as sown."""
+    out = []
+    for i in range(num_layers):
+        out.extend(intermediates.get(f"block_{i}", {}).get("h_res", ()))
+    return out
 
 
 def make_train_step(
