@@ -11,6 +11,7 @@ import sys
 BENCHMARKS = {
     "train": "v41jax.bench.train_bench",
     "engram": "v41jax.bench.engram_bench",
+    "mhc": "v41jax.bench.mhc_bench",
 }
 
 
