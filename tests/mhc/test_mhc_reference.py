@@ -231,8 +231,8 @@ def test_bad_inputs_raise():
         mhc_coefficients(params, x3, MHCConfig(n_streams=0))
     with pytest.raises(ValueError, match=r"C=16.*\(2, 3, 4, 8\)"):
         MHCResidual(cfg, width=16).init(jax.random.PRNGKey(0), jnp.ones((2, 3, 4, 8)), fn)
-    with pytest.raises(ValueError, match="'fused'"):
-        MHCResidual(dataclasses.replace(cfg, form="fused"), width=8).init(
+    with pytest.raises(ValueError, match="takes a SinglePassState"):  # wrong state type
+        MHCResidual(dataclasses.replace(cfg, form="single_pass"), width=8).init(
             jax.random.PRNGKey(0), jnp.ones((2, 3, 4, 8)), fn
         )
     with pytest.raises(ValueError, match="shape"):

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The residual forms the backbone can train with. The paper-fused and Single-Pass forms
-# (issue 4) join this tuple when they are wired into the backbone.
-FORMS = ("reference",)
+# The residual forms the backbone can train with (same params in every form).
+FORMS = ("reference", "fused", "single_pass")
 RESIDUAL_KINDS = ("mhc", "hc")
 SINKHORN_VARIANTS = ("paper", "v4")
 
@@ -19,7 +18,18 @@ SINKHORN_VARIANTS = ("paper", "v4")
 @dataclass(frozen=True)
 class MHCConfig:
     """n_streams: residual streams n (0 = plain residual, off; 1 = gated residual).
-    form: "reference": the paper's equations step by step (see FORMS).
+    form: how the update is computed (see FORMS and `layer.MHCResidual`; params identical):
+        "reference": the paper's equations step by step.
+        "fused": the same maths, the post + residual apply as one fused pass
+            (`fused.fused_post_residual`); equal to "reference" up to float rounding.
+        "single_pass": the lagged Single-Pass formulation (REFERENCE.md §2,
+            `single_pass.py`): sub-layer l's input is RMSNorm(A_{l-1} X_l) with the PREVIOUS
+            sub-layer's pre-mapping (layer 0: one-hot on stream 0), and one pass per sub-layer
+            writes X_{l+1}, the next input and the next coefficients' statistics. A different
+            model from the other two (not numerically equal). In the backbone the sub-layers'
+            own pre-norms (`attn_norm`, `ffn_norm`) are folded into that pass (their `scale`
+            params remain, the sub-layer does not re-normalise), and the readout before the
+            head is RMSNorm(A_{L-1} X_L; final_norm.scale) instead of RMSNorm(sum of streams).
     residual: "mhc" (H_res Sinkhorn-projected, doubly stochastic) or "hc" (unconstrained
         hyper-connections, H_res = identity-initialised free matrix: the unstable baseline).
     sinkhorn_iters, sinkhorn_variant: Sinkhorn-Knopp iterations and ordering ("paper": exp

@@ -10,6 +10,11 @@ Seams for later issues, extended by config without rewriting the block:
 - `Block.residual`: the one residual connection used around both sub-layers. It receives the
   sub-layer as a function so mHC can replace it with n-stream mixing
   (`x <- H_res x + H_post^T F(H_pre x)`, residual state [B, T, n, C]).
+  With `cfg.mhc.form == "single_pass"` the state between sub-layers is a `SinglePassState`
+  (streams, lagged pre-mapping, pending update; see `v41jax.mhc.layer`): the sub-layers then
+  get an input that is already mixed and normalised, so `attn_norm`/`ffn_norm` hold only
+  their `scale` (`NormScale`), which the single-pass step applies; the readout before the
+  head is RMSNorm(A_{L-1} X_L; final_norm.scale) from the last pass.
 - `make_ffn`: FFN modules keyed by a kind string (`FFN_KINDS`); MoE registers a new kind.
 Layers are a plain Python loop (not `nn.scan`) because they will differ per layer.
 """
@@ -28,6 +33,13 @@ from flax import linen as nn
 from v41jax.config import ModelConfig
 from v41jax.engram import Engram
 from v41jax.mhc import MHCResidual, expand_streams, reduce_streams
+from v41jax.mhc.layer import (
+    NormScale,
+    SinglePassState,
+    single_pass_init,
+    single_pass_materialize,
+    single_pass_readout,
+)
 from v41jax.model.attention import Attention, KVCache, make_attention_mask
 from v41jax.model.layers import Embed, RMSNorm, SwiGLU, normal_init
 
@@ -107,7 +119,13 @@ class Block(nn.Module):
     def setup(self):
         c = self.cfg
         dtype, param_dtype = _dtypes(c)
-        self.attn_norm = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype)
+        # single_pass: the pre-norms are folded into the mHC pass; only their scales remain
+        norm = (
+            functools.partial(NormScale, c.d_model, param_dtype)
+            if self._folded_norms
+            else functools.partial(RMSNorm, eps=c.norm_eps, param_dtype=param_dtype)
+        )
+        self.attn_norm = norm()
         self.attn = Attention(
             num_heads=c.num_heads,
             num_kv_heads=c.num_kv_heads,
@@ -118,7 +136,7 @@ class Block(nn.Module):
             dtype=dtype,
             param_dtype=param_dtype,
         )
-        self.ffn_norm = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype)
+        self.ffn_norm = norm()
         self.ffn = make_ffn(c, self.ffn_kind)
         if self.layer_index in c.engram.layer_ids:
             self.engram = Engram(
@@ -131,17 +149,24 @@ class Block(nn.Module):
                 param_dtype=param_dtype,
             )
         if c.mhc.enabled:
-            self.attn_mix = MHCResidual(c.mhc, c.d_model)
-            self.ffn_mix = MHCResidual(c.mhc, c.d_model)
+            self.attn_mix = MHCResidual(c.mhc, c.d_model, c.norm_eps)
+            self.ffn_mix = MHCResidual(c.mhc, c.d_model, c.norm_eps)
+
+    @property
+    def _folded_norms(self) -> bool:
+        return self.cfg.mhc.enabled and self.cfg.mhc.form == "single_pass"
+
+    def _pre_norm(self, norm: nn.Module, h: jax.Array) -> jax.Array:
+        return h if self._folded_norms else norm(h)
 
     def __call__(
-        self, x_BxTxD: jax.Array, inputs: BlockInputs, cache: KVCache | None = None
-    ) -> tuple[jax.Array, KVCache | None]:
+        self, x_BxTxD: Any, inputs: BlockInputs, cache: KVCache | None = None
+    ) -> tuple[Any, KVCache | None]:
         x_BxTxD = self.pre_attention(x_BxTxD, inputs)
 
         def attention(h):
             return self.attn(
-                self.attn_norm(h),
+                self._pre_norm(self.attn_norm, h),
                 inputs.positions_BxT,
                 inputs.mask_BxTxS,
                 cache,
@@ -149,14 +174,22 @@ class Block(nn.Module):
             )
 
         x_BxTxD, new_cache = self.residual(x_BxTxD, attention, "attn")
-        x_BxTxD, _ = self.residual(x_BxTxD, lambda h: (self.ffn(self.ffn_norm(h)), None), "ffn")
+
+        def ffn(h):
+            return self.ffn(self._pre_norm(self.ffn_norm, h)), None
+
+        x_BxTxD, _ = self.residual(x_BxTxD, ffn, "ffn")
         return x_BxTxD, new_cache
 
-    def pre_attention(self, x_BxTxD: jax.Array, inputs: BlockInputs) -> jax.Array:
+    def pre_attention(self, x_BxTxD: Any, inputs: BlockInputs) -> Any:
         """Per-layer memory before attention: `h <- h + Engram(h, ids)` at the layers in
-        `cfg.engram.layer_ids` (ids from `inputs.extras[engram_ids_key(layer)]`), else h."""
+        `cfg.engram.layer_ids` (ids from `inputs.extras[engram_ids_key(layer)]`), else h.
+        A `SinglePassState` is materialised first (its pending update applied)."""
         if self.layer_index not in self.cfg.engram.layer_ids:
             return x_BxTxD
+        if isinstance(x_BxTxD, SinglePassState):
+            state = single_pass_materialize(x_BxTxD)
+            return state._replace(x=self.pre_attention(state.x, inputs))
         key = engram_ids_key(self.layer_index)
         if key not in inputs.extras:
             raise ValueError(
@@ -173,18 +206,24 @@ class Block(nn.Module):
         x: jax.Array,
         sublayer: Callable[[jax.Array], tuple[jax.Array, Any]],
         site: str,
-    ) -> tuple[jax.Array, Any]:
+    ) -> tuple[Any, Any]:
         """The residual connection around a sub-layer F; returns (new state, aux).
 
         Plain: `x <- x + F(x)` on [B, T, C]. mHC (`cfg.mhc.n_streams >= 1`): the state is
         [B, T, n, C] and `x <- H_res x + H_post^T F(H_pre x)`; H_res [B, T, n, n] is sown
         as intermediates/h_res for the composite-gain diagnostics. `sublayer` maps a
-        [B, T, C] input to (output, aux) (aux: the new KV cache or None).
+        [B, T, C] input to (output, aux) (aux: the new KV cache or None). Form "single_pass":
+        x is a `SinglePassState` and the site's norm scale goes to the mHC pass.
         """
         if not self.cfg.mhc.enabled:
             y, aux = sublayer(x)
             return nn.with_logical_constraint(x + y.astype(x.dtype), RESIDUAL_AXES), aux
         mix = self.attn_mix if site == "attn" else self.ffn_mix
+        if self._folded_norms:
+            scale = (self.attn_norm if site == "attn" else self.ffn_norm)()
+            state, aux, h_res_BxTxNxN = mix(x, sublayer, scale)
+            self.sow("intermediates", "h_res", h_res_BxTxNxN)
+            return state._replace(x=nn.with_logical_constraint(state.x, STREAM_AXES)), aux
         x_new, aux, h_res_BxTxNxN = mix(x, sublayer)
         self.sow("intermediates", "h_res", h_res_BxTxNxN)
         return nn.with_logical_constraint(x_new, STREAM_AXES), aux
@@ -271,6 +310,9 @@ class Transformer(nn.Module):
             x_BxTxD = nn.with_logical_constraint(
                 expand_streams(x_BxTxD, c.mhc.n_streams), STREAM_AXES
             )
+        single_pass = c.mhc.enabled and c.mhc.form == "single_pass"
+        if single_pass:  # lagged state: X_0 with the one-hot pre-mapping
+            x_BxTxD = single_pass_init(x_BxTxD)
 
         block_cls = nn.remat(Block) if c.remat else Block
         new_caches = []
@@ -280,11 +322,18 @@ class Transformer(nn.Module):
             )
             new_caches.append(layer_cache)
             if i in hidden_layers:
-                hidden[i] = reduce_streams(x_BxTxD) if c.mhc.enabled else x_BxTxD
+                if single_pass:
+                    hidden[i] = reduce_streams(single_pass_materialize(x_BxTxD).x)
+                else:
+                    hidden[i] = reduce_streams(x_BxTxD) if c.mhc.enabled else x_BxTxD
 
-        if c.mhc.enabled:
-            x_BxTxD = reduce_streams(x_BxTxD)
-        x_BxTxD = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype, name="final_norm")(x_BxTxD)
+        if single_pass:  # the last pass writes the head's normalised input
+            scale = NormScale(c.d_model, param_dtype, name="final_norm")()
+            _, x_BxTxD = single_pass_readout(x_BxTxD, scale, c.norm_eps, x_BxTxD.x.dtype)
+        else:
+            if c.mhc.enabled:
+                x_BxTxD = reduce_streams(x_BxTxD)
+            x_BxTxD = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype, name="final_norm")(x_BxTxD)
         if c.tie_embeddings:
             logits_BxTxV = embed.attend(x_BxTxD)
         else:
