@@ -182,3 +182,13 @@ def test_single_pass_trains_and_logs_composite_gain(tmp_path):
     losses = [r["loss"] for r in rows]
     assert len(rows) == 4 and all(np.isfinite(losses)) and losses[-1] < losses[0]
     assert all(r["mhc_forward_gain"] <= 1.0 + 1e-2 for r in rows)
+
+
+def test_single_pass_impl_is_validated():
+    import pytest
+
+    from v41jax.mhc import MHCConfig
+
+    assert MHCConfig(n_streams=4, form="single_pass", single_pass_impl="auto").enabled
+    with pytest.raises(ValueError, match="single_pass_impl='triton'"):
+        MHCConfig(n_streams=4, single_pass_impl="triton")

@@ -36,6 +36,10 @@ class MHCConfig:
         start, column then row normalisation, ends on rows; "v4": row-softmax start, ends on
         columns, eps 1e-6).
     alpha_init: initial value of the scalar gates alpha_pre, alpha_post, alpha_res.
+    single_pass_impl: the single pass's implementation: "xla" (pure JAX, default), "pallas"
+        (the kernel of v41jax/kernels/mhc_single_pass for this backend) or "auto" (the
+        kernel on GPU/TPU when it takes the shape, else XLA). Default "xla" until the
+        compiled kernels have been checked on hardware.
     """
 
     n_streams: int = 0
@@ -44,6 +48,7 @@ class MHCConfig:
     sinkhorn_iters: int = 20
     sinkhorn_variant: str = "paper"
     alpha_init: float = 0.01
+    single_pass_impl: str = "xla"
 
     def __post_init__(self):
         def require(ok: bool, msg: str) -> None:
@@ -54,6 +59,10 @@ class MHCConfig:
         require(self.form in FORMS, f"form={self.form!r} not in {FORMS}")
         require(
             self.residual in RESIDUAL_KINDS, f"residual={self.residual!r} not in {RESIDUAL_KINDS}"
+        )
+        require(
+            self.single_pass_impl in ("xla", "pallas", "auto"),
+            f"single_pass_impl={self.single_pass_impl!r} not in ('xla', 'pallas', 'auto')",
         )
         require(self.sinkhorn_iters >= 1, f"sinkhorn_iters={self.sinkhorn_iters} must be >= 1")
         require(

@@ -213,6 +213,7 @@ class MHCResidual(nn.Module):
                 norm_scale,
                 norm_eps=self.norm_eps,
                 out_dtype=dtype,
+                impl=self.cfg.single_pass_impl,
             )
         h_pre, h_post, h_res = coefficients_from_stats(params, proj, sumsq, self.cfg)
         y, aux = sublayer_fn(h)
