@@ -1,6 +1,8 @@
 """Benchmarks: `python -m v41jax.bench NAME [--json PATH] ...` prints a table, writes JSON.
 
 train   training tokens/s and model FLOP/s of a config vs this machine's matmul FLOP/s
+engram  Engram layer vs an equal-parameter FFN per token; lookup bytes/s vs memcpy
+mhc     residual-path bytes/token and time: plain, naive, fused, single-pass mHC
 """
 
 from __future__ import annotations
