@@ -8,7 +8,18 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "v41jax"
 # A layer may import only from layers to its left (config and sharding sit below everything).
-LAYERS = ["config", "sharding", "data", "kernels", "engram", "mhc", "model", "train", "bench"]
+LAYERS = [
+    "config",
+    "sharding",
+    "data",
+    "kernels",
+    "engram",
+    "mhc",
+    "spec",
+    "model",
+    "train",
+    "bench",
+]
 # Leaf config dataclasses of a feature package belong to the config layer (config.py nests them).
 CONFIG_MODULES = ("v41jax.engram.config", "v41jax.mhc.config")
 MAX_LINES = 400
