@@ -99,6 +99,11 @@ def mesh_axes_of(logical_name: str) -> tuple[str, ...]:
 BATCH_MESH_AXES = ("data", "fsdp")
 
 
+def batch_shards(mesh) -> int:
+    """How many ways the batch is split: the product of the mesh's batch axes present."""
+    return math.prod(mesh.shape[a] for a in BATCH_MESH_AXES if a in mesh.shape)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Batch arrays [B, T, ...]: rows split over data x fsdp, the rest replicated."""
     return NamedSharding(mesh, PartitionSpec(BATCH_MESH_AXES))

@@ -187,8 +187,8 @@ def default_lookup(batch_size: int, lookup_impl: str = "auto") -> LookupFn:
     if not mesh.empty:
         row_axes = tuple(a for a in sharding.mesh_axes_of(ENGRAM_ROW_AXIS) if a in mesh.shape)
         batch_axes = tuple(a for a in sharding.BATCH_MESH_AXES if a in mesh.shape)
-        batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
-        if math.prod(mesh.shape[a] for a in row_axes) > 1 and batch_size % batch_shards == 0:
+        row_shards = math.prod(mesh.shape[a] for a in row_axes)
+        if row_shards > 1 and batch_size % sharding.batch_shards(mesh) == 0:
             return lambda table, ids, scale: sharded_lookup(
                 table, ids, mesh, row_axes=row_axes, batch_axes=batch_axes, row_scale=scale
             )

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from v41jax import sharding
 from v41jax.engram.sharded_cost import (
     DEFAULT_CAPACITY_FACTOR,
     METHODS,
@@ -45,8 +46,9 @@ from v41jax.engram.sharded_cost import (
 )
 
 ENGRAM_ROW_AXIS = "engram_rows"
-DEFAULT_ROW_AXES: tuple[str, ...] = ("data", "fsdp", "tensor")
-DEFAULT_BATCH_AXES: tuple[str, ...] = ("data", "fsdp")
+# Mesh axes are named in v41jax/sharding.py only: the rules table decides where rows live.
+DEFAULT_ROW_AXES: tuple[str, ...] = sharding.mesh_axes_of(ENGRAM_ROW_AXIS)
+DEFAULT_BATCH_AXES: tuple[str, ...] = sharding.BATCH_MESH_AXES
 
 
 def padded_rows(num_rows: int, num_shards: int) -> int:

@@ -35,7 +35,7 @@ from v41jax.data import (
     eval_batches,
     prepare_data,
 )
-from v41jax.sharding import make_mesh
+from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.metrics import MetricsWriter
@@ -144,7 +144,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     cfg = resolve_data_dependent(cfg, data)
     _check_or_save_config(cfg, workdir)
     mesh = make_mesh(cfg.mesh)
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = batch_shards(mesh)
     if cfg.data.global_batch_size % shards:
         raise ValueError(
             f"data.global_batch_size={cfg.data.global_batch_size} is not divisible "
