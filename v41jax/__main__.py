@@ -68,6 +68,7 @@ def cmd_generate(args) -> int:
     temperature = args.temperature if args.temperature is not None else g.temperature
     top_k = args.top_k if args.top_k is not None else g.top_k
     top_p = args.top_p if args.top_p is not None else g.top_p
+    min_p = args.min_p if args.min_p is not None else g.min_p
     seed = args.seed if args.seed is not None else g.seed
     prompts = args.prompt or [""]
     # An empty prompt starts from the document separator, as every document does in training.
@@ -85,6 +86,7 @@ def cmd_generate(args) -> int:
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        min_p=min_p,
         rng=jax.random.PRNGKey(seed),
         eos_id=run.tokenizer.eos_id,
         compression=run.compression.table,
@@ -135,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
     p.add_argument("--seed", type=int)
     p.set_defaults(func=cmd_generate)
 

@@ -129,6 +129,7 @@ class GenerateConfig:
     temperature: float = 0.8  # 0 -> greedy
     top_k: int = 0  # 0 -> off
     top_p: float = 0.95  # 1 -> off
+    min_p: float = 0.0  # 0 -> off
     seed: int = 0
 
 
@@ -200,6 +201,7 @@ def validate(cfg: Config) -> None:
     _require(g.temperature >= 0, f"generate.temperature={g.temperature} must be >= 0")
     _require(0.0 < g.top_p <= 1.0, f"generate.top_p={g.top_p} must be in (0, 1]")
     _require(g.top_k >= 0, f"generate.top_k={g.top_k} must be >= 0")
+    _require(0.0 <= g.min_p <= 1.0, f"generate.min_p={g.min_p} must be in [0, 1]")
 
 
 # ----------------------------------------------------------------------------- text round trip

@@ -3,6 +3,7 @@
 train   training tokens/s and model FLOP/s of a config vs this machine's matmul FLOP/s
 engram  Engram layer vs an equal-parameter FFN per token; lookup bytes/s vs memcpy
 mhc     residual-path bytes/token and time: plain, naive, fused, single-pass mHC
+verify  speculative verification time vs the read-once bound of the probabilities
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ BENCHMARKS = {
     "train": "v41jax.bench.train_bench",
     "engram": "v41jax.bench.engram_bench",
     "mhc": "v41jax.bench.mhc_bench",
+    "verify": "v41jax.bench.verify_bench",
 }
 
 

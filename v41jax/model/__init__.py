@@ -19,6 +19,7 @@ from v41jax.model.layers import (
     swiglu,
 )
 from v41jax.model.sampling import check_sampling_args, sample_logits, sampling_probs
+from v41jax.model.speculative import SpeculativeOutput, speculative_generate
 from v41jax.model.transformer import (
     ENGRAM_IDS_PREFIX,
     FFN_KINDS,
@@ -45,6 +46,7 @@ __all__ = [
     "KVCache",
     "ModelOutput",
     "RMSNorm",
+    "SpeculativeOutput",
     "SwiGLU",
     "Transformer",
     "apply_rope",
@@ -64,6 +66,7 @@ __all__ = [
     "rope_angles",
     "sample_logits",
     "sampling_probs",
+    "speculative_generate",
     "swiglu",
     "update_cache",
 ]

@@ -172,19 +172,21 @@ def generate(
     temperature: Scalar = 0.0,
     top_k: Scalar = 0,
     top_p: Scalar = 1.0,
+    min_p: Scalar = 0.0,
     rng: jax.Array | None = None,
     eos_id: int | None = None,
     compression: Any = None,
 ) -> jax.Array:
     """Continue each right-padded prompt by `max_new_tokens` tokens: int32 [B, max_new_tokens].
 
-    Sampling as in `sample_logits` (temperature 0 = greedy; rng default key 0). After a row
-    emits `eos_id` it keeps emitting `eos_id`. `compression` (int32 [V], the tokenizer's
-    compression table) is required when the model has Engram layers. Raises ValueError when
-    lengths are outside [1, P] or max(lengths) + max_new_tokens > cfg.max_seq_len.
+    Sampling as in `sample_logits` (temperature 0 = greedy; top_k, top_p, min_p; rng default
+    key 0). After a row emits `eos_id` it keeps emitting `eos_id`. `compression` (int32 [V],
+    the tokenizer's compression table) is required when the model has Engram layers. Raises
+    ValueError when lengths are outside [1, P] or max(lengths) + max_new_tokens >
+    cfg.max_seq_len.
     """
     _check_generate_args(cfg, tuple(prompt_tokens_BxP.shape), prompt_lengths_B, max_new_tokens)
-    check_sampling_args(temperature, top_k, top_p)
+    check_sampling_args(temperature, top_k, top_p, min_p)
     _check_compression(cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
@@ -198,6 +200,7 @@ def generate(
         jnp.asarray(temperature, jnp.float32),
         jnp.asarray(top_k, jnp.int32),
         jnp.asarray(top_p, jnp.float32),
+        jnp.asarray(min_p, jnp.float32),
         compression,
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,
@@ -214,13 +217,14 @@ def _generate(
     temperature,
     top_k,
     top_p,
+    min_p,
     compression,
     *,
     max_new_tokens,
     eos_id,
 ):
     def sample(key, logits_BxV, done_B):
-        tok_B = sample_logits(key, logits_BxV, temperature, top_k, top_p)
+        tok_B = sample_logits(key, logits_BxV, temperature, top_k, top_p, min_p)
         if eos_id is None:
             return tok_B, done_B
         tok_B = jnp.where(done_B, eos_id, tok_B)

@@ -1,9 +1,10 @@
-"""Next-token sampling: temperature, top-k and top-p (nucleus) over float32 logits.
+"""Next-token sampling: temperature, top-k, top-p (nucleus) and min-p over float32 logits.
 
 `sampling_probs` is the one definition of the sampling distribution; `sample_logits` draws
 from exactly it, so speculative decoding can get q (drafter) and p (target) identically.
 Order of operations: scale by 1/temperature, keep the top_k largest, keep the smallest
-prefix (in descending order) whose mass reaches top_p, renormalise.
+prefix (in descending order) whose mass reaches top_p, keep tokens whose probability is at
+least min_p times the most likely one's, renormalise.
 Temperature 0 is greedy: a one-hot distribution on the argmax (first index on ties).
 
 Every knob may be a Python number or a traced array (scalar or per-row [B]), so one jitted
@@ -26,18 +27,21 @@ def _concrete(value) -> np.ndarray | None:
     return np.asarray(value)
 
 
-def check_sampling_args(temperature: Scalar, top_k: Scalar, top_p: Scalar) -> None:
-    """Raise ValueError for temperature < 0 (or not finite), top_k < 0, top_p outside (0, 1].
-
-    Traced values cannot be checked and are let through.
+def check_sampling_args(
+    temperature: Scalar, top_k: Scalar, top_p: Scalar, min_p: Scalar = 0.0
+) -> None:
+    """Raise ValueError for temperature < 0 (or not finite), top_k < 0, top_p outside (0, 1],
+    min_p outside [0, 1]. Traced values cannot be checked and are let through.
     """
-    t, k, p = _concrete(temperature), _concrete(top_k), _concrete(top_p)
+    t, k, p, m = _concrete(temperature), _concrete(top_k), _concrete(top_p), _concrete(min_p)
     if t is not None and not (np.all(np.isfinite(t)) and np.all(t >= 0)):
         raise ValueError(f"temperature={temperature} must be finite and >= 0 (0 = greedy)")
     if k is not None and not np.all(k >= 0):
         raise ValueError(f"top_k={top_k} must be >= 0 (0 = off)")
     if p is not None and not np.all((p > 0) & (p <= 1)):
         raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = off)")
+    if m is not None and not np.all((m >= 0) & (m <= 1)):
+        raise ValueError(f"min_p={min_p} must be in [0, 1] (0 = off)")
 
 
 def _per_row(value: Scalar, batch_shape: tuple[int, ...], dtype) -> jax.Array:
@@ -46,21 +50,28 @@ def _per_row(value: Scalar, batch_shape: tuple[int, ...], dtype) -> jax.Array:
 
 
 def sampling_probs(
-    logits_BxV: jax.Array, temperature: Scalar = 1.0, top_k: Scalar = 0, top_p: Scalar = 1.0
+    logits_BxV: jax.Array,
+    temperature: Scalar = 1.0,
+    top_k: Scalar = 0,
+    top_p: Scalar = 1.0,
+    min_p: Scalar = 0.0,
 ) -> jax.Array:
     """The sampling distribution, float32 [B, V] (rows sum to 1).
 
     With z = logits / temperature sorted descending and ranks r = 0, 1, ...:
     keep r < top_k (all if top_k = 0); among those, with p' = softmax(z over kept),
-    keep r if sum_{r' < r} p'_{r'} < top_p (all if top_p = 1); `probs = softmax(z over kept)`.
+    keep r if sum_{r' < r} p'_{r'} < top_p (all if top_p = 1); keep v if
+    softmax(z)_v >= min_p max softmax(z), i.e. z_v >= z_max + log(min_p) (all if min_p = 0);
+    `probs = softmax(z over kept)`. Works on any leading shape [..., V].
     Ties are ordered by token id, so exactly top_k tokens survive top-k.
     """
-    check_sampling_args(temperature, top_k, top_p)
+    check_sampling_args(temperature, top_k, top_p, min_p)
     logits = logits_BxV.astype(jnp.float32)
     batch_shape, v = logits.shape[:-1], logits.shape[-1]
     t = _per_row(temperature, batch_shape, jnp.float32)
     k = _per_row(top_k, batch_shape, jnp.int32)
     p = _per_row(top_p, batch_shape, jnp.float32)
+    m = _per_row(min_p, batch_shape, jnp.float32)
     greedy = t <= 0
     z = logits / jnp.where(greedy, 1.0, t)
 
@@ -73,6 +84,9 @@ def sampling_probs(
     keep_sorted &= (mass_before < p) | (p >= 1.0)
     keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order_BxV, axis=-1), axis=-1)
 
+    # min-p in log space: the most likely token always survives, so order does not matter.
+    z_max = jnp.max(z, axis=-1, keepdims=True)
+    keep &= (m <= 0) | (z >= z_max + jnp.log(jnp.maximum(m, 1e-30)))
     probs = jax.nn.softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
     one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
     return jnp.where(greedy, one_hot, probs)
@@ -84,7 +98,8 @@ def sample_logits(
     temperature: Scalar = 1.0,
     top_k: Scalar = 0,
     top_p: Scalar = 1.0,
+    min_p: Scalar = 0.0,
 ) -> jax.Array:
     """One token per row, int32 [B], drawn from `sampling_probs(logits, ...)`."""
-    probs_BxV = sampling_probs(logits_BxV, temperature, top_k, top_p)
+    probs_BxV = sampling_probs(logits_BxV, temperature, top_k, top_p, min_p)
     return jax.random.categorical(rng, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)

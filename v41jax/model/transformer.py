@@ -365,7 +365,12 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _init_params_jit(cfg: ModelConfig, rng: jax.Array) -> Any:
-    return Transformer(cfg).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+    # Engram layers need hash ids to trace; id 0 is a valid row of every head's table.
+    extras = {
+        engram_ids_key(layer): jnp.zeros((1, 1, cfg.engram.num_heads_total), jnp.int32)
+        for layer in (cfg.engram.layer_ids if cfg.engram.enabled else ())
+    }
+    return Transformer(cfg).init(rng, jnp.zeros((1, 1), jnp.int32), extras=extras)["params"]
 
 
 def count_params(params: Any) -> int:

@@ -1,5 +1,6 @@
-"""Speculative decoding: the throughput model (sampler and verifier audit follow)."""
+"""Speculative decoding: the exact sampler, the throughput model and the verifier audit."""
 
+from v41jax.spec.sampler import IMPLS, check_speculative_inputs, speculative_sample
 from v41jax.spec.throughput import (
     expected_tokens_per_round,
     interpolate_cost,
@@ -9,9 +10,24 @@ from v41jax.spec.throughput import (
 )
 
 __all__ = [
+    "AuditReport",
+    "IMPLS",
+    "audit_verifier",
+    "check_speculative_inputs",
     "expected_tokens_per_round",
     "interpolate_cost",
     "optimal_draft_length",
+    "speculative_sample",
     "walltime_speedup",
     "walltime_speedup_measured",
 ]
+
+
+def __getattr__(name: str):
+    # Lazy: importing audit here eagerly would make `python -m v41jax.spec.audit` warn that
+    # the module was already imported by its package.
+    if name in ("audit_verifier", "AuditReport"):
+        from v41jax.spec import audit
+
+        return getattr(audit, name)
+    raise AttributeError(f"module 'v41jax.spec' has no attribute {name!r}")

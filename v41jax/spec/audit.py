@@ -1,0 +1,396 @@
+"""Statistical audit: does a speculative verifier preserve the target distribution?
+
+A verifier (REFERENCE.md §3) takes drafts d_j ~ q_j, j < K, the draft laws q (or None: one-hot
+drafts), target laws p_0 .. p_K and a verify length L <= K, and emits
+(d_0 .. d_{A-1}, t, -1 ..): the A accepted drafts, then one token t. With fixed tables p, q
+(independent of the prefix, so the "target" is: token j ~ p_j independently), an exact verifier
+satisfies, for every emitted position j <= A and every history h of earlier emitted tokens,
+
+    P(token_j = v | position j emitted, h, L) = p_j(v)                                   (1)
+
+(accepted d_j has law min(p_j, q_j); the residual max(0, p_j - q_j)/(1 - beta_j) is reached
+with probability 1 - beta_j; together p_j. The bonus at j = L is drawn from p_L.) And
+
+    P(A >= j | L) = prod_{i<j} beta_i  (j <= L),   beta_i = sum_v min(p_i(v), q_i(v))      (2)
+
+(beta_i = sum_v g_i(v) p_i(v) for one-hot drafts drawn from a law g_i the verifier never sees).
+
+Checks, per case (fixed tables; independent drafts, lengths and keys per row):
+  validity  A in [0, L], out[:, :A] = drafts, out[:, A] in [0, V), out[:, A+1:] = -1 (any
+            violation fails: p = 0);
+  law j     G-test of emitted tokens at position j against (1), pooled;
+  law j|L,h the same, stratified by (L, previous emitted token); strata with an expected count
+            under 5 are merged, and a merged remainder still under 5 is skipped;
+  A|L       multinomial G-test of A against (2), per verify length L >= 1.
+A count in a cell of probability 0 (p_j(v) = 0, an out-of-range token, A > L) gives p = 0.
+G = 2 sum O ln(O / E) is chi-square with (cells - 1) dof per stratum under the null. The
+decision is Bonferroni over all m checks: a check passes if min(1, m p) >= alpha.
+
+CLI: python -m v41jax.spec.audit module:function [--samples N --seed S --vocab V --k K]
+(module may also be a path/to/file.py); exit 0 if the audit passes, 1 if not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util  # also binds importlib.import_module
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from scipy import stats
+from scipy.special import xlogy
+
+from v41jax.kernels.spec_verify import spec_verify_reference
+
+Verifier = Callable[..., tuple[jax.Array, jax.Array]]
+MIN_EXPECTED = 5.0  # the usual floor for the chi-square approximation of G
+
+
+def reference_verifier(key, draft_tokens, draft_probs, target_probs, verify_len):
+    """The reference rule on uniforms drawn from `key` (the audit's known-good verifier)."""
+    k1, k2 = jax.random.split(key)
+    u = jax.random.uniform(k1, draft_tokens.shape)  # accept_u: one per draft
+    w = jax.random.uniform(k2, (draft_tokens.shape[0], target_probs.shape[-1]))  # race_u
+    return spec_verify_reference(draft_tokens, draft_probs, target_probs, verify_len, u, w)
+
+
+@dataclass(frozen=True)
+class AuditCheck:
+    """One check. p_value is raw; p_adjusted = min(1, m p_value) (Bonferroni over m)."""
+
+    name: str
+    case: str
+    statistic: float
+    dof: int
+    p_value: float
+    p_adjusted: float
+    log10_p: float  # log10 of the raw p (p underflows to 0 for G beyond ~1500)
+    observed: np.ndarray
+    expected: np.ndarray
+    passed: bool
+    labels: tuple[str, ...] = ()  # row labels of 2-D tables (strata)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """Verdict: passed iff every check's adjusted p-value >= alpha; p_value = min adjusted."""
+
+    passed: bool
+    p_value: float
+    alpha: float
+    tests: list[AuditCheck]
+    vocab_size: int
+    k: int
+    num_samples: int
+    seed: int
+    verifier_name: str = ""
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> list[AuditCheck]:
+        return [t for t in self.tests if not t.passed]
+
+    @property
+    def log10_p_value(self) -> float:
+        """log10 of the smallest adjusted p-value, finite where p_value underflows to 0."""
+        return min(0.0, min(t.log10_p for t in self.tests) + math.log10(len(self.tests)))
+
+    def format(self, detail: str = "failed") -> str:
+        """Verdict, a one-line-per-check table, then observed/expected tables: of failed checks
+        ("failed"), or also of every passed pooled and A|L test ("all")."""
+        verdict = "PASSED" if self.passed else "FAILED"
+        p_min = _p_str(self.p_value, self.log10_p_value)
+        lines = [
+            f"speculative verifier audit: {verdict}  {self.verifier_name}",
+            f"V={self.vocab_size} K={self.k}, {self.num_samples} samples per case, seed "
+            f"{self.seed}, {len(self.tests)} checks, Bonferroni alpha={self.alpha:g}, min "
+            f"adjusted p={p_min}, {len(self.failed)} failed ({self.seconds:.1f} s)",
+            "",
+            f"{'case':<16}{'check':<14}{'G':>12}{'dof':>5}{'p':>11}{'p_adj':>11}  ok",
+        ]
+        for t in self.tests:
+            lines.append(
+                f"{t.case:<16}{t.name:<14}{t.statistic:>12.1f}{t.dof:>5}"
+                f"{_p_str(t.p_value, t.log10_p):>11}{t.p_adjusted:>11.3g}  "
+                + ("yes" if t.passed else "NO")
+                + (f"  ({t.note})" if t.note else "")
+            )
+        for t in self.tests:
+            if not t.passed or (detail == "all" and t.observed.ndim == 1 and t.dof):
+                lines += ["", f"[{t.case}] {t.name}: observed / expected"] + _table(t)
+        lines += ["", f"verdict: {verdict} (min adjusted p = {p_min})"]
+        return "\n".join(lines)
+
+
+def _p_str(p: float, log10_p: float) -> str:
+    """p, or 1e<log10 p> where p underflowed to 0 ("0" only for impossible counts)."""
+    return f"1e{log10_p:.0f}" if p == 0.0 and math.isfinite(log10_p) else f"{p:.3g}"
+
+
+def _table(t: AuditCheck, max_rows: int = 8) -> list[str]:
+    """Rows of observed/expected counts; for strata, the max_rows with the largest G terms."""
+    obs, exp = np.atleast_2d(t.observed), np.atleast_2d(t.expected)
+    labels = t.labels or ("",) * len(obs)
+    cols = [f"{'A' if t.name[0] == 'A' else 'v'}={i}" for i in range(obs.shape[1] - 1)]
+    cols += ["invalid"]  # out-of-range tokens, or A outside [0, L]
+    cols = ["A!in[0,L]", "prefix!=d", "token!in[V]", "tail!=-1"] if t.name == "validity" else cols
+    g = 2 * (xlogy(obs, obs) - xlogy(obs, np.where(exp > 0, exp, 1))).sum(1)
+    order = np.argsort(-g)[:max_rows]
+    out = ["  " + f"{'':<14}" + "".join(f"{c:>12}" for c in cols)]
+    for i in order:
+        out.append("  " + f"{labels[i] + ' obs':<14}" + "".join(f"{x:>12.0f}" for x in obs[i]))
+        out.append("  " + f"{labels[i] + ' exp':<14}" + "".join(f"{x:>12.1f}" for x in exp[i]))
+    return out
+
+
+@dataclass(frozen=True)
+class _Case:
+    """Fixed tables: p [K+1, V] target; g [K, V] the law drafts are drawn from (given to the
+    verifier as draft_probs iff pass_q; else None = one-hot drafts); L = K or uniform [0, K]."""
+
+    name: str
+    p: np.ndarray
+    g: np.ndarray
+    pass_q: bool
+    random_len: bool
+
+    def beta(self) -> np.ndarray:
+        """Per-draft acceptance probability, float64 [K] (equation (2))."""
+        p, g = self.p[:-1].astype(np.float64), self.g.astype(np.float64)
+        return np.minimum(p, g).sum(-1) if self.pass_q else (p * g).sum(-1)
+
+
+def make_cases(vocab_size: int, k: int, seed: int) -> list[_Case]:
+    """The audit's cases (a) .. (f); all tables seeded from `seed`."""
+    v = vocab_size
+    rng = np.random.default_rng(seed)
+    # Dirichlet rows with a 10% uniform floor: every support cell has p >= 0.1/V, so expected
+    # counts stay large at 10^4..10^5 samples and the chi-square approximation holds.
+    tab = lambda rows: 0.9 * rng.dirichlet(np.ones(v), size=rows) + 0.1 / v
+    # normalised float32 rows: what the verifier sees, and what the exact laws are computed from
+    _f32 = lambda x: (x / x.sum(-1, keepdims=True)).astype(np.float32)
+    cases = [
+        _Case("random", _f32(tab(k + 1)), _f32(tab(k)), True, False),
+        _Case("random_len", _f32(tab(k + 1)), _f32(tab(k)), True, True),
+    ]
+    # (c) a drafted token the target forbids (p_j(z) = 0 < q_j(z): it must never be emitted) and
+    # a token the drafter never proposes (q_j(w) = 0 < p_j(w): only the residual can emit it).
+    p, q = tab(k + 1), tab(k)
+    zw = np.array([rng.choice(v, size=2, replace=False) for _ in range(k + 1)])  # z != w
+    p[np.arange(k + 1), zw[:, 0]] = 0.0
+    q[np.arange(k), zw[:k, 1]] = 0.0
+    cases.append(_Case("target_zero", _f32(p), _f32(q), True, True))
+    # (d) greedy drafts: the same fixed token argmax q_j in every row, draft_probs=None.
+    onehot = np.eye(v)[np.argmax(tab(k), -1)]
+    cases.append(_Case("greedy_onehot", _f32(tab(k + 1)), _f32(onehot), False, True))
+    # (e) one-hot drafts varying by row, draft_probs=None: exact for any draft law g. g is not
+    # uniform: with uniform g, "residual from p" happens to emit exactly p (g(v) p(v) +
+    # p(v) (1 - sum g p) = p(v) iff g(v) = sum_w g(w) p(w)), hiding that bug in this case.
+    cases.append(_Case("mixed_onehot", _f32(tab(k + 1)), _f32(tab(k)), False, False))
+    # (f) q ~= p: acceptance ~0.97, so the all-accepted bonus path dominates.
+    p = tab(k + 1)
+    q = p[:k] * np.exp(0.1 * rng.standard_normal((k, v)))
+    cases.append(_Case("near_identical", _f32(p), _f32(q), True, False))
+    return cases
+
+
+def _run_case(fn, case: _Case, n: int, key, rng, chunk: int):
+    """Drafts d [N, K], lengths L [N], verifier outputs out [N, K+1], A [N] (numpy)."""
+    k, v = case.g.shape
+    n_chunks = max(1, math.ceil(n / chunk))
+    size = math.ceil(n / n_chunks)  # equal chunks: one compilation per case shape
+    p_dev = jnp.asarray(np.broadcast_to(case.p, (size, k + 1, v)))
+    q_dev = jnp.asarray(np.broadcast_to(case.g, (size, k, v))) if case.pass_q else None
+    g64, parts = case.g.astype(np.float64), []
+    for c in range(n_chunks):
+        d = np.stack([rng.choice(v, size, p=g64[j] / g64[j].sum()) for j in range(k)], 1)
+        ell = rng.integers(0, k + 1, size) if case.random_len else np.full(size, k)
+        d, ell = jnp.asarray(d.astype(np.int32)), jnp.asarray(ell.astype(np.int32))
+        out, acc = (np.asarray(x) for x in fn(jax.random.fold_in(key, c), d, q_dev, p_dev, ell))
+        if out.shape != (size, k + 1) or acc.shape != (size,):
+            raise ValueError(f"verifier returned shapes {out.shape}, {acc.shape}")
+        parts.append((np.asarray(d), np.asarray(ell), out, acc))
+    return tuple(np.concatenate(x) for x in zip(*parts, strict=True))
+
+
+def _g_test(obs: np.ndarray, exp: np.ndarray) -> tuple[float, int, float, int]:
+    """(G, dof, p, count in zero-probability cells); rows are independent strata."""
+    obs, exp = np.atleast_2d(obs).astype(np.float64), np.atleast_2d(exp)
+    support = exp > 0
+    impossible = int(obs[~support].sum())
+    g = 2.0 * float((xlogy(obs, obs) - xlogy(obs, np.where(support, exp, 1.0)))[support].sum())
+    dof = int((support.sum(1) - 1).clip(0).sum())
+    p = 0.0 if impossible else (float(stats.chi2.sf(g, dof)) if dof > 0 else 1.0)
+    return g, dof, p, impossible
+
+
+def _chi2_log10_sf(g: float, dof: int) -> float:
+    """log10 P(chi2_dof > g) where scipy underflows: Gamma(a, x) = x^(a-1) e^-x (1 + (a-1)/x
+    + (a-1)(a-2)/x^2 + ..), a = dof/2, x = g/2 >> a (asymptotic; for display only)."""
+    a, x = dof / 2, g / 2
+    series = 1.0 + np.cumprod([(a - i) / x for i in range(1, 12)]).sum()
+    return ((a - 1) * math.log(x) - x + math.log(series) - math.lgamma(a)) / math.log(10)
+
+
+def _check(name, case, obs, exp, labels=(), note="", bad=None) -> dict:
+    """A G-test's fields for AuditCheck; `bad` (validity) replaces the test: p = 0 iff bad."""
+    if bad is None:
+        g, dof, p, impossible = _g_test(obs, exp)
+        if impossible:
+            note = (note + "; " if note else "") + f"{impossible} in probability-0 cells"
+    else:
+        g, dof, p, impossible = float(bad), 0, float(not bad), bad
+    # log10 p, finite where p underflows to 0 (-inf only for counts in impossible cells)
+    tiny = not impossible and p < 1e-300
+    log10_p = _chi2_log10_sf(g, dof) if tiny else math.log10(p) if p else -math.inf
+    return dict(
+        name=name, case=case, statistic=g, dof=dof, p_value=p, log10_p=log10_p,
+        observed=np.asarray(obs), expected=np.asarray(exp), labels=tuple(labels), note=note,
+    )  # fmt: skip
+
+
+def _validity(case: _Case, d, ell, out, acc) -> dict:
+    """Row counts of each kind of malformed output (see the module docstring)."""
+    (n, k1), v = out.shape, case.p.shape[1]
+    pos = np.arange(k1)[None, :]
+    a = np.clip(acc, 0, k1 - 1)[:, None]
+    bad_a = (acc < 0) | (acc > ell)
+    d_pad = np.concatenate([d, np.zeros((n, 1), d.dtype)], 1)
+    prefix = ((pos < a) & (out != d_pad)).any(1)
+    tok = np.take_along_axis(out, a, 1)[:, 0]
+    rng_bad = (tok < 0) | (tok >= v)
+    tail = ((pos > a) & (out != -1)).any(1)
+    counts = np.array([bad_a.sum(), prefix.sum(), rng_bad.sum(), tail.sum()], np.float64)
+    bad = int((bad_a | prefix | rng_bad | tail).sum())
+    note = f"{bad} malformed rows" if bad else ""
+    return _check("validity", case.name, counts, np.zeros(4), note=note, bad=bad)
+
+
+def _position_laws(case: _Case, ell, out, acc) -> list[dict]:
+    """Equation (1) at each position j: pooled, then stratified by (L, previous token)."""
+    (k1, v), checks = case.p.shape, []
+    a = np.clip(acc, 0, k1 - 1)  # an invalid A fails validity; clipped, the laws stay defined
+    for j in range(k1):
+        rows = a >= j
+        tok = out[rows, j]
+        cell = np.where((tok >= 0) & (tok < v), tok, v)  # v = the out-of-range cell
+        law = np.append(case.p[j].astype(np.float64), 0.0)
+        obs = np.bincount(cell, minlength=v + 1).astype(np.float64)
+        checks.append(_check(f"law {j}", case.name, obs, obs.sum() * law, note=f"n={rows.sum()}"))
+        prev = out[rows, j - 1] if j > 0 else np.full(rows.sum(), -1)
+        prev = np.where((prev >= -1) & (prev < v), prev, v) + 1  # -1 (no previous) .. v
+        stratum = ell[rows] * (v + 2) + prev
+        table = np.bincount(stratum * (v + 1) + cell, minlength=k1 * (v + 2) * (v + 1))
+        table = table.reshape(-1, v + 1).astype(np.float64)  # [L, h] strata x tokens
+        keep = np.flatnonzero(table.sum(1) > 0)
+        if keep.size <= 1:
+            continue  # a single stratum is the pooled test again
+        labels = [f"L={s // (v + 2)},h={s % (v + 2) - 1}" for s in keep]
+        table = table[keep]
+        small = table.sum(1) * law[law > 0].min() < MIN_EXPECTED
+        note = f"{(~small).sum()} strata"
+        if small.any():  # merging strata is valid: (1) holds in each, hence in their union
+            merged = table[small].sum(0)
+            table, labels = table[~small], [labels[i] for i in np.flatnonzero(~small)]
+            if merged.sum() * law[law > 0].min() >= MIN_EXPECTED:
+                table, labels = np.vstack([table, merged]), labels + ["merged"]
+                note += f" + {small.sum()} merged"
+            else:
+                note += f", {int(merged.sum())} rows in {small.sum()} small strata skipped"
+        exp = table.sum(1, keepdims=True) * law
+        checks.append(_check(f"law {j}|L,h", case.name, table, exp, labels, note))
+    return checks
+
+
+def _acceptance_laws(case: _Case, ell, acc) -> list[dict]:
+    """Equation (2): the law of A given each verify length L >= 1 (L = 0 forces A = 0)."""
+    beta, checks = case.beta(), []
+    for length in np.unique(ell[ell >= 1]):
+        reach = np.concatenate([[1.0], np.cumprod(beta[:length])])  # P(A >= j), j = 0..L
+        law = np.append(reach[:-1] - reach[1:], reach[-1])  # P(A = j) = P(>= j) - P(>= j+1)
+        a = acc[ell == length]
+        cell = np.where((a >= 0) & (a <= length), a, length + 1)
+        obs = np.bincount(cell, minlength=length + 2).astype(np.float64)
+        exp = obs.sum() * np.append(law, 0.0)
+        checks.append(_check(f"A|L={length}", case.name, obs, exp, note=f"n={a.size}"))
+    return checks
+
+
+def audit_verifier(
+    verifier: Verifier,
+    *,
+    vocab_size: int = 6,
+    k: int = 3,
+    num_samples: int = 200_000,
+    seed: int = 0,
+    alpha: float = 1e-3,
+    chunk: int = 50_000,
+    jit: bool = True,
+    name: str = "",
+) -> AuditReport:
+    """Audit `verifier(key, drafts, draft_probs | None, target_probs, verify_len)` on every
+    case of `make_cases` with num_samples rows each; see the module docstring."""
+    if vocab_size < 3 or k < 1:
+        raise ValueError("the audit needs vocab_size >= 3 and k >= 1")
+    start = time.perf_counter()
+    fn = jax.jit(verifier) if jit else verifier
+    key = jax.random.PRNGKey(seed)
+    raw: list[dict] = []
+    for i, case in enumerate(make_cases(vocab_size, k, seed)):
+        rng = np.random.default_rng([seed, i])
+        d, ell, out, acc = _run_case(fn, case, num_samples, jax.random.fold_in(key, i), rng, chunk)
+        raw.append(_validity(case, d, ell, out, acc))
+        raw += _position_laws(case, ell, out, acc)
+        raw += _acceptance_laws(case, ell, acc)
+    adjusted = [min(1.0, r["p_value"] * len(raw)) for r in raw]  # Bonferroni over all checks
+    checks = zip(adjusted, raw, strict=True)
+    tests = [AuditCheck(p_adjusted=a, passed=a >= alpha, **r) for a, r in checks]
+    return AuditReport(
+        passed=all(t.passed for t in tests),
+        p_value=min(t.p_adjusted for t in tests),
+        alpha=alpha, tests=tests, vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed,
+        verifier_name=name or getattr(verifier, "__name__", repr(verifier)),
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def load_callable(spec: str) -> Verifier:
+    """`package.module:function` or `path/to/file.py:function`."""
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ValueError(f"expected module:function, got {spec!r}")
+    if target.endswith(".py"):
+        mod_spec = importlib.util.spec_from_file_location(f"_audited_{abs(hash(target))}", target)
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    return getattr(module, attr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry: print the report; return 0 if the verifier passes, 1 if not."""
+    ap = argparse.ArgumentParser(prog="python -m v41jax.spec.audit", description=__doc__[:62])
+    ap.add_argument("verifier", help="module:function or path/to/file.py:function")
+    for flag, default in [("samples", 200_000), ("seed", 0), ("vocab", 6), ("k", 3)]:
+        ap.add_argument(f"--{flag}", type=int, default=default)  # samples: rows per case
+    ap.add_argument("--alpha", type=float, default=1e-3)
+    ap.add_argument("--detail", choices=["failed", "all"], default="all")
+    ap.add_argument("--no-jit", action="store_true", help="call the verifier eagerly")
+    args = ap.parse_args(argv)
+    report = audit_verifier(
+        load_callable(args.verifier), vocab_size=args.vocab, k=args.k, num_samples=args.samples,
+        seed=args.seed, alpha=args.alpha, jit=not args.no_jit, name=args.verifier,
+    )  # fmt: skip
+    print(report.format(args.detail))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
