@@ -75,15 +75,20 @@ def sampling_probs(
     greedy = t <= 0
     z = logits / jnp.where(greedy, 1.0, t)
 
-    order_BxV = jnp.argsort(-z, axis=-1, stable=True)
-    z_sorted = jnp.take_along_axis(z, order_BxV, axis=-1)
-    rank = jnp.arange(v, dtype=jnp.int32)
-    keep_sorted = (k <= 0) | (rank < k)
-    p_sorted = jax.nn.softmax(jnp.where(keep_sorted, z_sorted, -jnp.inf), axis=-1)
-    mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
-    keep_sorted &= (mass_before < p) | (p >= 1.0)
-    keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order_BxV, axis=-1), axis=-1)
+    def top_k_top_p_keep(z):
+        order_BxV = jnp.argsort(-z, axis=-1, stable=True)
+        z_sorted = jnp.take_along_axis(z, order_BxV, axis=-1)
+        rank = jnp.arange(v, dtype=jnp.int32)
+        keep_sorted = (k <= 0) | (rank < k)
+        p_sorted = jax.nn.softmax(jnp.where(keep_sorted, z_sorted, -jnp.inf), axis=-1)
+        mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+        keep_sorted &= (mass_before < p) | (p >= 1.0)
+        return jnp.take_along_axis(keep_sorted, jnp.argsort(order_BxV, axis=-1), axis=-1)
 
+    # The sort is most of the cost on CPU: skip it when no row filters (a real branch
+    # unless vmapped, where both sides run and the result is the same).
+    needs_sort = jnp.any(k > 0) | jnp.any(p < 1.0)
+    keep = jax.lax.cond(needs_sort, top_k_top_p_keep, lambda z: jnp.ones(z.shape, bool), z)
     # min-p in log space: the most likely token always survives, so order does not matter.
     z_max = jnp.max(z, axis=-1, keepdims=True)
     keep &= (m <= 0) | (z >= z_max + jnp.log(jnp.maximum(m, 1e-30)))

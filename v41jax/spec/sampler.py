@@ -27,7 +27,9 @@ Implementations (`impl`):
                accepted prefix A, then reads only the rows p_A and q_A: one residual per
                row is ever needed. The token is drawn by inverse CDF with one uniform per
                row, two-level (block sums, then a cumsum inside the chosen block) so that
-               no [B, V] random numbers and no full-length scan are needed.
+               no [B, V] random numbers and no full-length scan are needed. Rows go 8 at
+               a time so their few passes stay in cache (B=64, K=5, V=128k on the 2-core
+               dev box: 0.5x the time of reading p and q once; all rows at once: 2.2x).
   "reference"  `spec_verify_reference` on uniforms drawn from `key`: an exponential race
                over the residual row (reads every row, draws B V uniforms).
   "pallas"     the fused kernel (`v41jax.kernels.spec_verify`), one pass over all rows;
@@ -43,6 +45,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from v41jax.kernels.spec_verify import spec_verify
 from v41jax.kernels.spec_verify.reference import (
@@ -54,6 +57,8 @@ from v41jax.kernels.spec_verify.reference import (
 IMPLS = ("xla", "reference", "pallas")
 # Inverse-CDF block width: V / 256 block sums are scanned, then one 256-wide block.
 _CDF_BLOCK = 256
+# Rows sampled together by the fast path (see _verify_xla).
+_ROWS_PER_CHUNK = 8
 # Tolerance of the eager normalisation check (bf16 probabilities carry ~3 digits).
 _SUM_TOL = {"float32": 1e-3, "float64": 1e-6, "bfloat16": 2e-2, "float16": 5e-3}
 
@@ -147,24 +152,31 @@ def _verify_xla(key, draft_tokens, draft_probs, target_probs, verify_len):
     v = target_probs.shape[-1]
     k_accept, k_row = jax.random.split(key)
     accept_u = jax.random.uniform(k_accept, (b, k), jnp.float32)
+    row_u = jax.random.uniform(k_row, (b,), jnp.float32)
     p_d, q_d = draft_token_probs(draft_tokens, draft_probs, target_probs)
     num_accepted = count_accepted(p_d, q_d, accept_u, verify_len)
 
-    # Only the row at A is ever sampled: read p_A and q_A, not all K + 1 rows.
-    row = num_accepted[:, None, None]
-    p_a = jnp.take_along_axis(target_probs, row, axis=1)[:, 0].astype(jnp.float32)
-    rejected = num_accepted < verify_len
-    if draft_probs is None:
-        d_a = jnp.take_along_axis(draft_tokens, jnp.minimum(num_accepted, k - 1)[:, None], 1)
-        cols = jnp.arange(v, dtype=jnp.int32)[None, :]
-        residual = jnp.where(cols == d_a, 0.0, p_a)  # max(0, p - one_hot(d)), as p <= 1
-    else:
-        q_a = jnp.take_along_axis(draft_probs, jnp.minimum(row, k - 1), axis=1)[:, 0]
-        residual = jnp.maximum(p_a - q_a.astype(jnp.float32), 0.0)
-    residual = jnp.where(rejected[:, None], residual, p_a)
-    has_mass = jnp.any(residual > 0, axis=-1, keepdims=True)
-    residual = jnp.where(has_mass, residual, p_a)  # a residual with no mass falls back to p
-    token = sample_inverse_cdf(residual, jax.random.uniform(k_row, (b,), jnp.float32))
+    def sample_row(args):
+        """Only the row at A is ever sampled: read p_A and q_A, not all K + 1 rows."""
+        p_rows, q_rows, d_row, a, length, u = args
+        p_a = lax.dynamic_index_in_dim(p_rows, a, 0, keepdims=False).astype(jnp.float32)
+        if q_rows is None:  # one-hot q: max(0, p - one_hot(d_A)) zeroes d_A (p <= 1)
+            d_a = lax.dynamic_index_in_dim(d_row, jnp.minimum(a, k - 1), 0, keepdims=False)
+            residual = jnp.where(jnp.arange(v) == d_a, 0.0, p_a)
+        else:
+            q_a = lax.dynamic_index_in_dim(q_rows, jnp.minimum(a, k - 1), 0, keepdims=False)
+            residual = jnp.maximum(p_a - q_a.astype(jnp.float32), 0.0)
+        residual = jnp.where(a < length, residual, p_a)  # all verified accepted: bonus p_A
+        residual = jnp.where(jnp.any(residual > 0), residual, p_a)  # no mass: fall back to p
+        return sample_inverse_cdf(residual[None], u[None])[0]
+
+    # A few rows at a time, so the rows' passes (residual, mass check, block sums, search)
+    # hit cache: batched over all B rows at V = 128k, the same code was 6x slower on CPU.
+    token = lax.map(
+        sample_row,
+        (target_probs, draft_probs, draft_tokens, num_accepted, verify_len, row_u),
+        batch_size=_ROWS_PER_CHUNK,
+    )
     return assemble_output(draft_tokens, num_accepted, token), num_accepted
 
 
