@@ -42,6 +42,34 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts FFN `y = shared(x) + sum_k g_k E_k(x)` (equations: model/moe.py)."""
+
+    num_experts: int = 0  # routed experts; 0 = no MoE (dense FFN everywhere)
+    top_k: int = 2  # experts per token
+    num_shared_experts: int = 0  # always-on experts (DeepSeekMoE): one SwiGLU of S * d_expert
+    d_expert: int = 0  # SwiGLU hidden width per expert; 0 -> model d_ff
+    layer_ids: tuple[int, ...] = ()  # layers with an MoE FFN; () = every layer
+    capacity_factor: float = 0.0  # 0 = dropless; > 0: ceil(cf * T * top_k / E) slots/expert
+    balance: str = "aux"  # only "aux": DeepSeek-V3's "bias" needs bias state updated per step
+    aux_loss_weight: float = 0.01
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):  # every number here is a size, count or weight
+            v = getattr(self, f.name)
+            _require(not isinstance(v, int | float) or v >= 0, f"model.moe.{f.name}={v} < 0")
+        _require(
+            self.balance == "aux",
+            f"model.moe.balance={self.balance!r} not in ('aux',) ('bias', DeepSeek-V3's "
+            "aux-loss-free balancing, is not implemented)",
+        )
+        _require(
+            not self.num_experts or 1 <= self.top_k <= self.num_experts,
+            f"model.moe.top_k={self.top_k} must be in [1, num_experts={self.num_experts}]",
+        )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer: pre-norm blocks of (attention, SwiGLU FFN)."""
 
@@ -65,6 +93,7 @@ class ModelConfig:
     engram: EngramConfig = field(default_factory=EngramConfig)
     # mHC residual streams around every sub-layer (n_streams = 0: plain residual).
     mhc: MHCConfig = field(default_factory=MHCConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -177,6 +206,11 @@ def validate(cfg: Config) -> None:
     )
     for name in ("compute_dtype", "param_dtype"):
         _require(getattr(m, name) in DTYPES, f"model.{name}={getattr(m, name)!r} not in {DTYPES}")
+    ids = m.moe.layer_ids
+    _require(
+        len(set(ids)) == len(ids) and all(0 <= i < m.num_layers for i in ids),
+        f"model.moe.layer_ids={ids} must be distinct layers in [0, num_layers={m.num_layers})",
+    )
     _require(
         d.vocab_size >= 259, f"data.vocab_size={d.vocab_size} must be >= 259 (bytes + special)"
     )
@@ -218,12 +252,10 @@ def to_dict(cfg: Any) -> Any:
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     """Build a value of declared type `tp` from its JSON form (used by from_dict)."""
-    origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, prefix=key)
-    if origin is tuple:
-        (item_tp, _) = typing.get_args(tp)
-        return tuple(_coerce(item_tp, v, key) for v in value)
+    if typing.get_origin(tp) is tuple:  # tuple[X, ...]
+        return tuple(_coerce(typing.get_args(tp)[0], v, key) for v in value)
     return value
 
 
@@ -231,8 +263,7 @@ def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
     """Inverse of `to_dict`; unknown keys are an error naming them and the valid ones."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(d) - names
-    if unknown:
+    if unknown := set(d) - names:
         raise KeyError(
             f"unknown config keys {sorted(unknown)} in {prefix or cls.__name__}; "
             f"valid: {sorted(names)}"

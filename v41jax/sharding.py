@@ -35,6 +35,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    # MoE expert stacks [E, D, F]: no expert-parallel mesh axis (yet), so the expert axis is
+    # replicated and the weights shard over their embed/mlp axes like the dense FFN.
+    ("experts", None),
     # Engram tables are row-sharded over every device: they are meant to outgrow one device,
     # and a lookup only ever moves the few rows its tokens address (v41jax/engram/sharded.py).
     ("engram_rows", ("data", "fsdp", "tensor")),
@@ -52,6 +55,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_embed", None),
     ("act_streams", None),
     ("act_mlp", "tensor"),
+    ("act_experts", None),
     ("act_heads", "tensor"),
     ("act_kv_heads", "tensor"),
     ("act_vocab", "tensor"),

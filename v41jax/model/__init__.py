@@ -1,5 +1,10 @@
 """The backbone: decoder-only transformer, its pure-JAX cores, sampling and generation."""
 
+from v41jax.model.accounting import (
+    matmul_params_per_token,
+    model_flops_per_token,
+    param_accounting,
+)
 from v41jax.model.attention import (
     Attention,
     KVCache,
@@ -18,6 +23,15 @@ from v41jax.model.layers import (
     rope_angles,
     swiglu,
 )
+from v41jax.model.moe import (
+    MoE,
+    MoEStats,
+    expert_capacity,
+    is_moe_layer,
+    moe_metrics,
+    route,
+    routed_experts,
+)
 from v41jax.model.sampling import check_sampling_args, sample_logits, sampling_probs
 from v41jax.model.speculative import SpeculativeOutput, speculative_generate
 from v41jax.model.transformer import (
@@ -29,9 +43,9 @@ from v41jax.model.transformer import (
     Transformer,
     count_params,
     engram_ids_key,
+    ffn_kind_for_layer,
     init_params,
     make_ffn,
-    model_flops_per_token,
 )
 
 __all__ = [
@@ -44,6 +58,8 @@ __all__ = [
     "BlockInputs",
     "Embed",
     "KVCache",
+    "MoE",
+    "MoEStats",
     "ModelOutput",
     "RMSNorm",
     "SpeculativeOutput",
@@ -55,15 +71,23 @@ __all__ = [
     "check_sampling_args",
     "count_params",
     "decode_step",
+    "expert_capacity",
+    "ffn_kind_for_layer",
     "generate",
     "init_cache",
     "init_params",
     "make_attention_mask",
+    "is_moe_layer",
     "make_ffn",
+    "matmul_params_per_token",
     "model_flops_per_token",
+    "moe_metrics",
+    "param_accounting",
     "prefill",
     "rms_norm",
     "rope_angles",
+    "route",
+    "routed_experts",
     "sample_logits",
     "sampling_probs",
     "speculative_generate",

@@ -15,7 +15,8 @@ Seams for later issues, extended by config without rewriting the block:
   get an input that is already mixed and normalised, so `attn_norm`/`ffn_norm` hold only
   their `scale` (`NormScale`), which the single-pass step applies; the readout before the
   head is RMSNorm(A_{L-1} X_L; final_norm.scale) from the last pass.
-- `make_ffn`: FFN modules keyed by a kind string (`FFN_KINDS`); MoE registers a new kind.
+- `make_ffn`: FFN modules keyed by a kind string (`FFN_KINDS`): "dense" (SwiGLU) or "moe"
+  (`v41jax.model.moe.MoE`), chosen per layer by `ffn_kind_for_layer`.
 Layers are a plain Python loop (not `nn.scan`) because they will differ per layer.
 """
 
@@ -42,6 +43,7 @@ from v41jax.mhc.layer import (
 )
 from v41jax.model.attention import Attention, KVCache, make_attention_mask
 from v41jax.model.layers import Embed, RMSNorm, SwiGLU, normal_init
+from v41jax.model.moe import MoE, expert_width, is_moe_layer
 
 RESIDUAL_AXES = ("batch", "length", "act_embed")
 STREAM_AXES = ("batch", "length", "act_streams", "act_embed")  # mHC state [B, T, n, C]
@@ -99,7 +101,17 @@ def _dense_ffn(cfg: ModelConfig) -> nn.Module:
     )
 
 
-FFN_KINDS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": _dense_ffn}
+def _moe_ffn(cfg: ModelConfig) -> nn.Module:
+    dtype, param_dtype = _dtypes(cfg)
+    return MoE(cfg.moe, expert_width(cfg), cfg.init_std, _out_init_std(cfg), dtype, param_dtype)
+
+
+FFN_KINDS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": _dense_ffn, "moe": _moe_ffn}
+
+
+def ffn_kind_for_layer(cfg: ModelConfig, layer: int) -> str:
+    """FFN kind of block `layer`: "moe" at the MoE layers of `cfg.moe`, else "dense"."""
+    return "moe" if is_moe_layer(cfg, layer) else "dense"
 
 
 def make_ffn(cfg: ModelConfig, kind: str = "dense") -> nn.Module:
@@ -317,9 +329,8 @@ class Transformer(nn.Module):
         block_cls = nn.remat(Block) if c.remat else Block
         new_caches = []
         for i in range(c.num_layers):
-            x_BxTxD, layer_cache = block_cls(c, layer_index=i, name=f"block_{i}")(
-                x_BxTxD, inputs, caches[i]
-            )
+            block = block_cls(c, i, ffn_kind_for_layer(c, i), name=f"block_{i}")
+            x_BxTxD, layer_cache = block(x_BxTxD, inputs, caches[i])
             new_caches.append(layer_cache)
             if i in hidden_layers:
                 if single_pass:
@@ -376,19 +387,3 @@ def _init_params_jit(cfg: ModelConfig, rng: jax.Array) -> Any:
 def count_params(params: Any) -> int:
     """Number of scalars in a (boxed or plain) param tree."""
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nn.unbox(params)))
-
-
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM appendix-B convention:
-
-        6 * N_matmul + 12 * L * H * K * T
-
-    N_matmul = L * (D*H*K + 2*D*G*K + H*K*D + 3*D*F) + D*V counts the weights used in
-    matmuls (the embedding lookup is not a matmul; the head is, tied or not). The second
-    term is the attention scores and weighted sum (2 matmuls x 2 flops x 3 for fwd+bwd)
-    over a full, non-causal T x T window, as in the usual MFU accounting.
-    """
-    d, h, g, k = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    per_layer = d * h * k + 2 * d * g * k + h * k * d + 3 * d * cfg.d_ff
-    n_matmul = cfg.num_layers * per_layer + d * cfg.vocab_size
-    return float(6 * n_matmul + 12 * cfg.num_layers * h * k * seq_len)

@@ -4,6 +4,8 @@ Loss per token t (logits z, target y, mask m):
     ce_t = logsumexp(z_t) - z_t[y_t]
     loss = sum_t m_t ce_t / sum_t m_t  +  z_coef * sum_t m_t logsumexp(z_t)^2 / sum_t m_t
 The z-loss term (PaLM) keeps the softmax normaliser near 1 so bf16 logits stay in range.
+With MoE layers the training loss adds `moe.aux_loss_weight * mean_l aux_l`, the mean over
+MoE layers of the load-balancing loss `E * sum_e f_e P_e` (v41jax/model/moe.py).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from jax.sharding import Mesh
 from v41jax import sharding
 from v41jax.config import Config
 from v41jax.mhc import composite_gain
-from v41jax.model import ENGRAM_IDS_PREFIX
+from v41jax.model import ENGRAM_IDS_PREFIX, moe_metrics
 from v41jax.train.batches import batch_keys
 from v41jax.train.optimizer import lr_schedule
 from v41jax.train.state import TrainState
@@ -42,7 +44,9 @@ def next_token_loss(
 
 def _forward_loss(model, params, batch, z_loss):
     """Loss and metrics of one batch; with mHC also the composite gain of the H_res
-    product across depth (`mhc_forward_gain` / `mhc_backward_gain`, worst token)."""
+    product across depth (`mhc_forward_gain` / `mhc_backward_gain`, worst token); with MoE
+    the weighted aux loss joins the loss and `moe_aux_loss`, `moe_dropped_fraction`,
+    `moe_max_load` the metrics."""
     extras = {k: v for k, v in batch.items() if k.startswith(ENGRAM_IDS_PREFIX)}
     out, state = model.apply(
         {"params": params},
@@ -53,6 +57,10 @@ def _forward_loss(model, params, batch, z_loss):
         mutable=["intermediates"],
     )
     loss, metrics = next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
+    moe = moe_metrics(state.get("intermediates", {}))
+    if moe:
+        loss = loss + model.cfg.moe.aux_loss_weight * moe["moe_aux_loss"]
+        metrics = dict(metrics, loss=loss, **moe)
     h_res = _h_res_in_depth_order(state.get("intermediates", {}), model.cfg.num_layers)
     if h_res:
         gains = composite_gain([jax.lax.stop_gradient(h) for h in h_res])
