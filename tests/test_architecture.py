@@ -18,6 +18,7 @@ LAYERS = [
     "spec",
     "model",
     "train",
+    "sweep",
     "bench",
 ]
 # Leaf config dataclasses of a feature package belong to the config layer (config.py nests them).

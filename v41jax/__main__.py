@@ -1,9 +1,11 @@
-"""Command line: `python -m v41jax {train,eval,generate,bench} ...`.
+"""Command line: `python -m v41jax {train,eval,generate,bench,sweep,report} ...`.
 
     python -m v41jax train --config tiny --workdir runs/tiny --set train.steps=24
     python -m v41jax eval --workdir runs/tiny
     python -m v41jax generate --workdir runs/tiny --prompt "The state of the Union"
     python -m v41jax bench train --json bench.json
+    python -m v41jax sweep experiments/engram_vs_ffn/config.py --setting mini
+    python -m v41jax report experiments/engram_vs_ffn
 
 `--config` is a named config (`v41jax/configs/<name>.py`) or a path to a Python file with
 `get_config()`; each `--set section.field=value` overrides one field, parsed by its type.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from v41jax import config as config_lib
@@ -106,6 +109,38 @@ def cmd_bench(args) -> int:
     return bench_main(args.rest)
 
 
+def cmd_sweep(args) -> int:
+    from v41jax.sweep import default_runs_dir, is_done, load_sweep, run_sweep
+
+    specs = load_sweep(args.sweep_file, args.setting, args.overrides)
+    runs_dir = args.runs_dir or default_runs_dir(args.sweep_file)
+    if args.list:
+        for s in specs:
+            try:
+                state = "done" if is_done(s, s.workdir(runs_dir)) else "todo"
+            except ValueError:  # a finished run of another config: the sweep would refuse it
+                state = "differs"
+            print(f"{state:8s}{s.workdir(runs_dir)}  {json.dumps(dict(s.meta))}")
+        return 0
+    out = run_sweep(specs, runs_dir, progress=not args.no_progress, limit=args.limit)
+    print(json.dumps({k: len(v) if isinstance(v, list) else v for k, v in out.items()}))
+    if out["stopped"]:
+        print("sweep stopped by a signal; rerun the same command to continue", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_report(args) -> int:
+    from v41jax.sweep import default_runs_dir, write_report
+
+    if not os.path.isdir(args.experiment_dir):
+        raise FileNotFoundError(f"experiment folder {args.experiment_dir!r} does not exist")
+    runs_dir = args.runs_dir or default_runs_dir(args.experiment_dir)
+    written = write_report(args.experiment_dir, runs_dir, echo=not args.quiet)
+    print(json.dumps(written, indent=2), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m v41jax",
@@ -144,6 +179,35 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: python -m v41jax bench train --json PATH")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "sweep", help="run (or continue) a sweep file's grid: each run in its own workdir"
+    )
+    p.add_argument("sweep_file", help="a .py with get_sweep(setting) -> list[RunSpec]")
+    p.add_argument("--setting", default="full", help="the grid's size (default: full)")
+    p.add_argument(
+        "--runs-dir", help="where the runs go (default: runs/<the sweep file's folder name>)"
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config field in every run, e.g. --set data.paths=texts/",
+    )
+    p.add_argument("--limit", type=int, help="train at most this many runs, then stop")
+    p.add_argument("--list", action="store_true", help="print the runs and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser(
+        "report", help="results/summary.json, tables.md and plots of an experiment's runs"
+    )
+    p.add_argument("experiment_dir", help="e.g. experiments/engram_vs_ffn")
+    p.add_argument("--runs-dir", help="default: runs/<experiment folder name>")
+    p.add_argument("--quiet", action="store_true", help="do not print the tables")
+    p.set_defaults(func=cmd_report)
     return parser
 
 
