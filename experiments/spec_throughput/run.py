@@ -20,7 +20,6 @@ import functools
 import json
 import os
 import sys
-import time
 
 import matplotlib
 
@@ -35,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import config as C  # noqa: E402
 
+from v41jax.bench.common import time_call  # noqa: E402
 from v41jax.data import prepare_data  # noqa: E402
 from v41jax.model import generate, sampling_probs, speculative_generate  # noqa: E402
 from v41jax.model.speculative import extend  # noqa: E402
@@ -125,13 +125,7 @@ def plot_monte_carlo(rows: list[dict], path: str) -> None:
 
 # ----------------------------------------------------------------------------- real run
 def _median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return time_call(fn, warmup=1, iters=repeats)["median_s"]
 
 
 def step_costs(run, b: int, t_max: int, temperature: float, repeats: int, steps: int = 8):

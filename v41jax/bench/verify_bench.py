@@ -24,7 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from v41jax.bench.common import format_table, machine_info, time_call, write_json
-from v41jax.kernels.spec_verify.reference import assemble_output, count_accepted
+from v41jax.kernels.spec_verify.reference import (
+    assemble_output,
+    count_accepted,
+    draft_token_probs,
+)
 from v41jax.spec import speculative_sample
 
 
@@ -52,9 +56,7 @@ def common_approach(key, drafts, q, p):
     b, k = drafts.shape
     k_acc, k_race = jax.random.split(key)
     u = jax.random.uniform(k_acc, (b, k))
-    idx = drafts[..., None]
-    p_d = jnp.take_along_axis(p[:, :k], idx, axis=-1)[..., 0]
-    q_d = jnp.take_along_axis(q, idx, axis=-1)[..., 0]
+    p_d, q_d = draft_token_probs(drafts, q, p)
     accepted = count_accepted(p_d, q_d, u, jnp.full((b,), k, jnp.int32))
     residual = jnp.concatenate([jnp.maximum(p[:, :k] - q, 0.0), p[:, k:]], axis=1)
     residual = jnp.where(jnp.any(residual > 0, -1, keepdims=True), residual, p)

@@ -52,6 +52,7 @@ from v41jax.kernels.spec_verify.reference import (
     assemble_output,
     count_accepted,
     draft_token_probs,
+    residual_weights,
 )
 
 IMPLS = ("xla", "reference", "pallas")
@@ -160,14 +161,12 @@ def _verify_xla(key, draft_tokens, draft_probs, target_probs, verify_len):
         """Only the row at A is ever sampled: read p_A and q_A, not all K + 1 rows."""
         p_rows, q_rows, d_row, a, length, u = args
         p_a = lax.dynamic_index_in_dim(p_rows, a, 0, keepdims=False).astype(jnp.float32)
-        if q_rows is None:  # one-hot q: max(0, p - one_hot(d_A)) zeroes d_A (p <= 1)
+        if q_rows is None:  # one-hot drafts: q_A = one_hot(d_A)
             d_a = lax.dynamic_index_in_dim(d_row, jnp.minimum(a, k - 1), 0, keepdims=False)
-            residual = jnp.where(jnp.arange(v) == d_a, 0.0, p_a)
+            q_a = (jnp.arange(v) == d_a).astype(jnp.float32)
         else:
             q_a = lax.dynamic_index_in_dim(q_rows, jnp.minimum(a, k - 1), 0, keepdims=False)
-            residual = jnp.maximum(p_a - q_a.astype(jnp.float32), 0.0)
-        residual = jnp.where(a < length, residual, p_a)  # all verified accepted: bonus p_A
-        residual = jnp.where(jnp.any(residual > 0), residual, p_a)  # no mass: fall back to p
+        residual = residual_weights(p_a, q_a.astype(jnp.float32), a < length)
         return sample_inverse_cdf(residual[None], u[None])[0]
 
     # A few rows at a time, so the rows' passes (residual, mass check, block sums, search)

@@ -55,6 +55,14 @@ def count_accepted(
     return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
+def residual_weights(p_a: jax.Array, q_a: jax.Array, rejected: jax.Array) -> jax.Array:
+    """The law of the token after A accepted drafts, unnormalised, float32 [..., V]:
+    max(0, p_A - q_A) at a rejection (`rejected` [...]), p_A for the bonus, and p_A again
+    when the residual has no mass."""
+    residual = jnp.where(rejected[..., None], jnp.maximum(p_a - q_a, 0.0), p_a)
+    return jnp.where(jnp.any(residual > 0, axis=-1, keepdims=True), residual, p_a)
+
+
 def race_keys(residual_BxV: jax.Array, race_u_BxV: jax.Array) -> jax.Array:
     """E_v / r_v (+inf where r_v = 0), float32 [B, V]; the argmin is the race winner."""
     e = -jnp.log1p(-race_u_BxV.astype(jnp.float32))
@@ -98,8 +106,6 @@ def spec_verify_reference(
     else:
         q_rows = jnp.concatenate([draft_probs, jnp.zeros((b, 1, v), draft_probs.dtype)], 1)
         q_a = jnp.take_along_axis(q_rows, row, axis=1)[:, 0].astype(jnp.float32)
-    rejected = (num_accepted < verify_len)[:, None]
-    residual = jnp.where(rejected, jnp.maximum(p_a - q_a, 0.0), p_a)
-    residual = jnp.where(jnp.any(residual > 0, axis=-1, keepdims=True), residual, p_a)
+    residual = residual_weights(p_a, q_a, num_accepted < verify_len)
     token = jnp.argmin(race_keys(residual, race_u), axis=-1).astype(jnp.int32)
     return assemble_output(draft_tokens, num_accepted, token), num_accepted
