@@ -18,6 +18,7 @@ LAYERS = [
     "spec",
     "model",
     "train",
+    "dspark",
     "sweep",
     "bench",
 ]

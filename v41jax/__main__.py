@@ -1,8 +1,10 @@
-"""Command line: `python -m v41jax {train,eval,generate,bench,sweep,report} ...`.
+"""Command line: `python -m v41jax {train,eval,generate,train-drafter,bench,sweep,report} ...`.
 
     python -m v41jax train --config tiny --workdir runs/tiny --set train.steps=24
     python -m v41jax eval --workdir runs/tiny
     python -m v41jax generate --workdir runs/tiny --prompt "The state of the Union"
+    python -m v41jax train-drafter --target-workdir runs/tiny --workdir runs/tiny_drafter
+    python -m v41jax generate --workdir runs/tiny --drafter runs/tiny_drafter --schedule scheduled
     python -m v41jax bench train --json bench.json
     python -m v41jax sweep experiments/engram_vs_ffn/config.py --setting mini
     python -m v41jax report experiments/engram_vs_ffn
@@ -80,26 +82,87 @@ def cmd_generate(args) -> int:
     padded = np.zeros((len(encoded), int(lengths.max())), np.int32)
     for i, e in enumerate(encoded):
         padded[i, : len(e)] = e
-    out = generate(
-        run.params,
-        run.cfg.model,
-        padded,
-        lengths,
-        max_new_tokens=max_new,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        rng=jax.random.PRNGKey(seed),
-        eos_id=run.tokenizer.eos_id,
-        compression=run.compression.table,
-    )
+    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    if args.drafter:
+        out = _generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed)
+    else:
+        out = generate(
+            run.params,
+            run.cfg.model,
+            padded,
+            lengths,
+            max_new_tokens=max_new,
+            rng=jax.random.PRNGKey(seed),
+            eos_id=run.tokenizer.eos_id,
+            compression=run.compression.table,
+            **knobs,
+        )
     for prompt, row in zip(prompts, np.asarray(out), strict=True):
         ids = [int(t) for t in row]
         if run.tokenizer.eos_id in ids:
             ids = ids[: ids.index(run.tokenizer.eos_id)]
         print(f"--- step {run.step} | {prompt!r}")
         print(prompt + run.tokenizer.decode(ids))
+    return 0
+
+
+def _generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed):
+    import jax
+    import numpy as np
+
+    from v41jax.dspark.drafter import frozen_target
+    from v41jax.dspark.engine import dspark_generate, load_or_measure_cost
+    from v41jax.dspark.train import load_drafter
+
+    dcfg, dparams, _ = load_drafter(args.drafter)
+    cost = None
+    if args.schedule == "scheduled":
+        cost = load_or_measure_cost(
+            args.drafter, run.params, run.cfg.model, dcfg.drafter, len(lengths)
+        )
+    out = dspark_generate(
+        run.params,
+        run.cfg.model,
+        dparams,
+        dcfg.drafter,
+        frozen_target(run.params, run.cfg.model),
+        padded,
+        lengths,
+        max_new_tokens=max_new,
+        mode=args.schedule,
+        verify_len=args.verify_len,
+        cost=cost,
+        rng=jax.random.PRNGKey(seed),
+        compression=run.compression.table,
+        **knobs,
+    )
+    active = np.asarray(out.active)
+    emitted = (np.asarray(out.accepted) + 1)[active].sum()
+    print(
+        f"drafter {args.drafter}: {emitted / max(active.sum(), 1):.2f} tokens per round "
+        f"({args.schedule})",
+        file=sys.stderr,
+    )
+    return out.tokens
+
+
+def cmd_train_drafter(args) -> int:
+    from v41jax.dspark.config import DrafterRunConfig
+    from v41jax.dspark.train import load_drafter_config, train_drafter
+
+    try:  # resuming: start from the saved config, so the same command continues the run
+        base = load_drafter_config(args.workdir)[0]
+    except FileNotFoundError:
+        base = DrafterRunConfig()
+    cfg = config_lib.override(base, args.overrides)
+    result = train_drafter(
+        cfg,
+        args.target_workdir,
+        args.workdir,
+        init_from=args.init_from,
+        progress=not args.no_progress,
+    )
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -174,7 +237,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--min-p", type=float)
     p.add_argument("--seed", type=int)
+    p.add_argument("--drafter", help="a train-drafter workdir: DSpark speculative decoding")
+    p.add_argument(
+        "--schedule",
+        choices=("fixed", "scheduled"),
+        default="scheduled",
+        help="with --drafter: verify lengths fixed or chosen from confidence",
+    )
+    p.add_argument("--verify-len", type=int, help="with --schedule fixed (default: block size)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "train-drafter", help="train (or resume) a DSpark drafter on a frozen target run"
+    )
+    p.add_argument("--target-workdir", required=True, help="the trained target's workdir")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--init-from", help="start from this drafter workdir's params (realignment)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="e.g. --set drafter.block_size=7 --set train.steps=400",
+    )
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_train_drafter)
 
     p = sub.add_parser("bench", help="benchmarks: python -m v41jax bench train --json PATH")
     p.add_argument("rest", nargs=argparse.REMAINDER)

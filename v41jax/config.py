@@ -2,8 +2,8 @@
 
 A run is described by one `Config`. Named configs live in `v41jax/configs/<name>.py` and any
 Python file with a `get_config()` function is a config too (big_vision style). The CLI changes
-single leaves with `--set section.field=value`; the value is parsed by the field's declared
-type, and an unknown or ill-typed key is an error that names the key and the valid ones.
+single leaves with `--set section.field=value`, parsed by the field's type; a bad key names
+itself and the valid ones.
 """
 
 from __future__ import annotations
@@ -342,13 +342,14 @@ def _parse_value(tp: Any, text: str, key: str) -> Any:
     return _parse_scalar(tp, text, key)
 
 
-def override(cfg: Config, assignments: list[str]) -> Config:
-    """Apply `["train.steps=24", "data.paths=a.txt,b/"]` to `cfg`, each parsed by field type.
+def override(cfg: Any, assignments: list[str]) -> Any:
+    """Apply `["train.steps=24", "data.paths=a.txt,b/"]` to `cfg` (a `Config` or any frozen
+    config dataclass, e.g. a drafter run's), each parsed by field type.
 
     Tuples take comma-separated items (an empty value is the empty tuple); tuples of
     dataclasses (e.g. optim.param_groups) take a JSON list of objects.
     """
-    leaves = _leaf_keys(Config)
+    leaves = _leaf_keys(type(cfg))
     tree = to_dict(cfg)
     for assignment in assignments:
         if "=" not in assignment:
@@ -364,7 +365,7 @@ def override(cfg: Config, assignments: list[str]) -> Config:
         node[leaf] = to_dict(_parse_value(leaves[key], text, key))
     # Validated once, after all assignments: a change may need several fields to agree
     # (e.g. model.engram.max_ngram_size and model.engram.engram_vocab_size).
-    return from_dict(Config, tree)
+    return from_dict(type(cfg), tree)
 
 
 # ----------------------------------------------------------------------------- named configs

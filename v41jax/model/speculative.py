@@ -59,20 +59,41 @@ def _engram_extras_at(cfg: ModelConfig, compressed_BxS, start_B, t: int) -> dict
     }
 
 
-def extend(params, cfg: ModelConfig, kv, history_BxS, start_B, t: int, compression=None):
+def extend_output(
+    params,
+    cfg: ModelConfig,
+    kv,
+    history_BxS,
+    start_B,
+    t: int,
+    compression=None,
+    hidden_layers: tuple[int, ...] = (),
+):
     """Feed history[start .. start+t-1] (per row) through the cache at those slots.
 
-    Returns (logits float32 [B, t, V], the updated caches). Engram ids are hashed from the
-    history, so a rolled-back row needs no window state.
+    Returns the `ModelOutput` (logits [B, t, V], `hidden_layers`' outputs [B, t, D], the
+    updated caches). Engram ids are hashed from the history, so a rolled-back row needs no
+    window state.
     """
     idx_BxT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)
     tokens_BxT = jnp.take_along_axis(history_BxS, idx_BxT, axis=1)
     extras = {}
     if cfg.engram.enabled:
         extras = _engram_extras_at(cfg, compression[history_BxS], start_B, t)
-    out = Transformer(cfg).apply(
-        {"params": params}, tokens_BxT, idx_BxT, cache=kv, cache_index=start_B, extras=extras
+    return Transformer(cfg).apply(
+        {"params": params},
+        tokens_BxT,
+        idx_BxT,
+        cache=kv,
+        cache_index=start_B,
+        extras=extras,
+        hidden_layers=hidden_layers,
     )
+
+
+def extend(params, cfg: ModelConfig, kv, history_BxS, start_B, t: int, compression=None):
+    """`extend_output`'s (logits float32 [B, t, V], updated caches)."""
+    out = extend_output(params, cfg, kv, history_BxS, start_B, t, compression)
     return out.logits.astype(jnp.float32), out.cache
 
 

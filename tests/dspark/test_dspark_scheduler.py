@@ -1,0 +1,209 @@
+"""The DSpark verify-length scheduler (v41jax/dspark/scheduler.py) and its cost table.
+
+The scheduler's rule (REFERENCE.md §4): survivals s[b, j] = prod_{i<=j} c[b, i]; each request
+verifies at least one draft; for every budget n, tau(n) = B + sum of the n largest survivals
+(the first B forced), throughput(n) = tau(n) / cost(tokens(n)); the budget is the global
+argmax, with a fallback to full length K unless the gain over it is > min_gain. The jitted
+scheduler is checked against the float64 brute force `schedule_reference` on a staircase cost
+curve, where the throughput curve has several local maxima.
+"""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from v41jax.dspark.scheduler import (
+    BASES,
+    CostTable,
+    Schedule,
+    measure_cost_table,
+    schedule_reference,
+    schedule_verify_lengths,
+)
+
+# Staircase: the verify cost jumps every 16 tokens (flat within a step), as on an engine that
+# pads the batch to tiles of 16 tokens.
+_TOKENS = tuple(range(8, 129, 8))
+STAIRS = CostTable(_TOKENS, tuple(1.0 + 0.3 * ((t - 1) // 16) for t in _TOKENS))
+# affine with a fixed overhead: per-token cost falls as the batch grows
+AFFINE = CostTable((1, 1001), (1.0, 11.0))
+
+
+def _confidences(seed: int, b: int, k: int) -> np.ndarray:
+    """Mixed rows: some near 1 (long prefixes pay), some low (one draft is enough)."""
+    rng = np.random.default_rng(seed)
+    hi = rng.uniform(0.0, 1.0, (b, 1)) < 0.5
+    c = np.where(hi, rng.uniform(0.7, 1.0, (b, k)), rng.uniform(0.0, 0.8, (b, k)))
+    return c.astype(np.float32)
+
+
+@functools.cache
+def _jitted(cost: CostTable, basis: str, min_gain: float = 0.01):
+    return jax.jit(lambda c: schedule_verify_lengths(c, cost, basis=basis, min_gain=min_gain))
+
+
+@pytest.mark.parametrize("basis", BASES)
+@pytest.mark.parametrize("k", [1, 4, 5, 7])
+@pytest.mark.parametrize("b", [3, 5, 7])
+def test_matches_reference_and_allocates_prefixes_by_survival(b, k, basis):
+    for seed in range(3):
+        conf = _confidences(1000 * b + 10 * k + seed, b, k)
+        got = _jitted(STAIRS, basis)(conf)
+        ref = schedule_reference(conf, STAIRS, basis)
+        lens = np.asarray(got.verify_len)
+        assert got.verify_len.dtype == jnp.int32 and lens.shape == (b,)
+        np.testing.assert_array_equal(lens, ref.verify_len)
+        assert int(got.budget) == int(ref.budget) == lens.sum()
+        for field in ("expected_tokens", "throughput", "full_throughput"):
+            np.testing.assert_allclose(float(getattr(got, field)), getattr(ref, field), rtol=1e-5)
+        assert lens.min() >= 1 and lens.max() <= k
+        # the chosen non-forced slots (positions 2..L_b) are exactly the largest survivals
+        surv = np.cumprod(conf.astype(np.float64), axis=1)
+        chosen = np.arange(k)[None, :] < lens[:, None]
+        chosen[:, 0] = False
+        free = np.ones_like(chosen)
+        free[:, 0] = False
+        if chosen.any() and (free & ~chosen).any():
+            assert surv[chosen].min() >= surv[free & ~chosen].max()
+        # tau = B + the survivals of the verified prefixes
+        np.testing.assert_allclose(ref.expected_tokens, b + surv[chosen | ~free].sum(), rtol=1e-6)
+
+
+def test_global_argmax_beats_the_first_local_maximum():
+    # B = 1, K = 5: tau(n) = 1.9, 2.71, 3.439, 4.0951, 4.1279; tokens = 1 + n = 2..6.
+    # throughput = 1.9, 1.69, 2.15, 2.56, 2.06: n = 1 is a local maximum, n = 4 the global one,
+    # and the full length n = 5 is 24% worse than n = 4 (no fallback).
+    cost = CostTable((2, 3, 4, 5, 6), (1.0, 1.6, 1.6, 1.6, 2.0))
+    conf = np.array([[0.9, 0.9, 0.9, 0.9, 0.05]], np.float32)
+    thr = np.array([1.9, 2.71, 3.439, 4.0951, 4.1279]) / np.array(cost.seconds)
+    assert thr[0] > thr[1] and np.argmax(thr) == 3
+    got = _jitted(cost, "total")(conf)
+    assert int(got.budget) == 4 and got.verify_len.tolist() == [4]
+    np.testing.assert_allclose(float(got.throughput), thr[3], rtol=1e-5)
+    np.testing.assert_allclose(float(got.full_throughput), thr[4], rtol=1e-5)
+    assert schedule_reference(conf, cost).verify_len.tolist() == [4]
+
+
+@pytest.mark.parametrize("gain, expect", [(0.005, [2]), (0.02, [1])])
+def test_falls_back_to_full_length_unless_the_gain_is_over_min_gain(gain, expect):
+    # B = 1, K = 2, c = (1, 0.5): n = 1 gives 2 tokens at cost 1 (throughput 2); n = 2 gives
+    # 2.5 tokens at cost s2, set so that throughput(1) = (1 + gain) throughput(2).
+    cost = CostTable((2, 3), (1.0, 2.5 * (1 + gain) / 2))
+    conf = np.array([[1.0, 0.5]], np.float32)
+    got = _jitted(cost, "total")(conf)
+    assert got.verify_len.tolist() == expect
+    assert schedule_reference(conf, cost).verify_len.tolist() == expect
+    # with min_gain = 0 any strict gain counts
+    assert _jitted(cost, "total", 0.0)(conf).verify_len.tolist() == [1]
+
+
+@pytest.mark.parametrize("basis", BASES)
+def test_certain_drafts_verify_everything_and_hopeless_ones_verify_one(basis):
+    b, k = 5, 4
+    ones = _jitted(AFFINE, basis)(np.ones((b, k), np.float32))
+    assert ones.verify_len.tolist() == [k] * b and int(ones.budget) == b * k
+    np.testing.assert_allclose(float(ones.expected_tokens), b * (k + 1), rtol=1e-6)
+    zeros = _jitted(AFFINE, basis)(np.zeros((b, k), np.float32))
+    assert zeros.verify_len.tolist() == [1] * b and int(zeros.budget) == b
+    np.testing.assert_allclose(float(zeros.expected_tokens), b)
+
+
+def test_scheduler_works_under_vmap_and_returns_a_schedule():
+    conf = jnp.asarray(np.stack([_confidences(s, 3, 4) for s in range(4)]))
+    fn = jax.jit(jax.vmap(lambda c: schedule_verify_lengths(c, STAIRS).verify_len))
+    lens = np.asarray(fn(conf))
+    for i in range(4):
+        np.testing.assert_array_equal(lens[i], schedule_reference(conf[i], STAIRS).verify_len)
+    assert isinstance(schedule_verify_lengths(conf[0], STAIRS), Schedule)
+
+
+def test_cost_table_interpolates_and_extrapolates_linearly():
+    cost = CostTable((8, 16, 32), (1.0, 2.0, 2.5))
+    assert cost(8) == 1.0 and cost(16) == 2.0 and cost(32) == 2.5
+    assert cost(12) == pytest.approx(1.5) and cost(24) == pytest.approx(2.25)
+    assert cost(4) == pytest.approx(0.5)  # first segment extended down
+    assert cost(0) == 0.0  # ... floored at 0
+    assert cost(48) == pytest.approx(3.0)  # last segment extended up
+    xs = np.array([0, 4, 8, 12, 16, 24, 32, 48, 100])
+    np.testing.assert_allclose(cost(xs), [cost(int(x)) for x in xs])
+    np.testing.assert_allclose(np.asarray(jax.jit(cost.cost_jnp)(xs)), cost(xs), rtol=1e-6)
+    single = CostTable((16,), (0.25,))
+    assert single(1) == single(1000) == 0.25
+    assert np.asarray(single.cost_jnp(jnp.arange(3))).tolist() == [0.25] * 3
+
+
+def test_cost_table_json_round_trip(tmp_path):
+    path = tmp_path / "cost.json"
+    STAIRS.save(path)
+    assert json.loads(path.read_text()) == STAIRS.to_dict()
+    loaded = CostTable.load(path)
+    assert loaded == STAIRS and hash(loaded) == hash(STAIRS)
+    assert CostTable.from_dict({"tokens": [1, 2], "seconds": [1, 2.5]}).seconds == (1.0, 2.5)
+
+
+@pytest.mark.parametrize(
+    "tokens, seconds, match",
+    [
+        ((8, 8), (1.0, 2.0), r"\(8, 8\)"),
+        ((8, 4), (1.0, 2.0), r"\(8, 4\)"),
+        ((0, 4), (1.0, 2.0), "0 is not a positive int"),
+        ((8, 16), (1.0, -1.0), "-1.0"),
+        ((8, 16), (1.0, float("nan")), "nan"),
+        ((8, 16), (1.0,), "2 tokens and 1 seconds"),
+        ((), (), "0 tokens"),
+    ],
+)
+def test_cost_table_rejects_bad_tables(tokens, seconds, match):
+    with pytest.raises(ValueError, match=match):
+        CostTable(tokens, seconds)
+
+
+def test_cost_table_rejects_bad_dicts():
+    with pytest.raises(ValueError, match="flops"):
+        CostTable.from_dict({"tokens": [1], "seconds": [1.0], "flops": [3]})
+
+
+@pytest.mark.parametrize(
+    "conf, kwargs, match",
+    [
+        ([[0.5, 1.5]], {}, "1.5"),
+        ([[0.5, float("nan")]], {}, "nan"),
+        ([[-0.25, 0.5]], {}, "-0.25"),
+        ([0.5, 0.5], {}, r"shape \(2,\)"),
+        (np.zeros((0, 3)), {}, r"shape \(0, 3\)"),
+        ([[0.5, 0.5]], {"basis": "ragged"}, "'ragged'"),
+        ([[0.5, 0.5]], {"min_gain": -0.1}, "-0.1"),
+    ],
+)
+def test_scheduler_rejects_bad_input(conf, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        schedule_verify_lengths(np.asarray(conf, np.float32), STAIRS, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        schedule_reference(np.asarray(conf, np.float32), STAIRS, **kwargs)
+
+
+def test_scheduler_rejects_a_cost_that_extrapolates_to_zero():
+    steep = CostTable((100, 101), (1.0, 2.0))  # 0 s at 99 tokens and below
+    with pytest.raises(ValueError, match="<= 0 at 4 tokens"):
+        schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), steep)
+
+
+def test_measure_cost_table_times_each_width():
+    widths, batch = [1, 2, 4], 3
+
+    def step_for_width(w):
+        x = jnp.ones((batch * w, 8))
+        f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
+        return lambda: f(x)
+
+    table = measure_cost_table(step_for_width, widths, batch, repeats=3, warmup=1)
+    assert table.tokens == (3, 6, 12)
+    assert all(s > 0 for s in table.seconds)
+    with pytest.raises(ValueError, match=r"widths=\[2, 0\]"):
+        measure_cost_table(step_for_width, [2, 0], batch)
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure_cost_table(step_for_width, widths, batch, repeats=0)

@@ -1,0 +1,134 @@
+"""Frozen-backbone drafter training: the target's params are bit-identical afterwards and not
+in the optimizer, a killed run resumes exactly, realignment starts from a drafter's params,
+and the CLI (train-drafter, generate --drafter) works end to end."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from v41jax import config as config_lib
+from v41jax.dspark.config import DrafterRunConfig
+from v41jax.dspark.train import load_drafter, train_drafter
+from v41jax.train import load_run, train
+
+SETTINGS = [
+    "drafter.num_layers=1",
+    "drafter.block_size=3",
+    "drafter.markov_rank=4",
+    "drafter.window=16",
+    "train.batch_size=4",
+    "train.anchors_per_seq=4",
+    "train.steps=8",
+    "train.checkpoint_every=4",
+    "train.keep_checkpoints=3",
+    "train.log_every=2",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+]
+
+
+def drafter_cfg(*extra):
+    return config_lib.override(DrafterRunConfig(), SETTINGS + list(extra))
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("target"))
+    cfg = config_lib.override(
+        config_lib.get_config("tiny"),
+        ["train.steps=6", "train.eval_every=0", "model.max_seq_len=64"],
+    )
+    train(cfg, workdir, progress=False)
+    return workdir
+
+
+def _leaves(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_backbone_is_bit_identical_and_outside_the_optimizer(target, tmp_path):
+    before = _leaves(load_run(target).params)
+    workdir = str(tmp_path / "drafter")
+    result = train_drafter(drafter_cfg(), target, workdir, progress=False)
+    assert result["step"] == 8 and np.isfinite(result["val_loss"])
+    after = _leaves(load_run(target).params)
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    cfg, params, record = load_drafter(workdir)
+    assert record["target_step"] == 6 and record["step"] == 8
+    n_drafter = sum(x.size for x in jax.tree.leaves(params))
+    # AdamW keeps two moments per drafter param and a step count: nothing of the target's.
+    from v41jax.dspark.train import _optimizer
+
+    opt_state = _optimizer(cfg).init(params)
+    n_opt = sum(np.size(x) for x in jax.tree.leaves(opt_state))
+    assert n_opt <= 2 * n_drafter + 8
+    assert not any(x.shape == (512, 64) for x in jax.tree.leaves(params))  # no embedding table
+    init = load_drafter(workdir, step=4)[1]
+    assert any(
+        not np.array_equal(a, b) for a, b in zip(_leaves(init), _leaves(params), strict=True)
+    )
+
+
+def test_resume_is_exact_and_config_changes_are_refused(target, tmp_path):
+    workdir = str(tmp_path / "drafter")
+    train_drafter(drafter_cfg(), target, workdir, progress=False)
+    final = _leaves(load_drafter(workdir)[1])
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))  # as if killed after step 4
+    os.remove(os.path.join(workdir, "eval.json"))
+    train_drafter(drafter_cfg(), target, workdir, progress=False)
+    again = _leaves(load_drafter(workdir)[1])
+    assert all(np.array_equal(a, b) for a, b in zip(final, again, strict=True))
+    with pytest.raises(ValueError, match="train.lr"):
+        train_drafter(drafter_cfg("train.lr=0.1"), target, workdir, progress=False)
+
+
+def test_realignment_starts_from_the_given_drafter(target, tmp_path):
+    first = str(tmp_path / "first")
+    train_drafter(drafter_cfg("train.steps=4"), target, first, progress=False)
+    start = _leaves(load_drafter(first)[1])
+    second = str(tmp_path / "second")
+    cfg = drafter_cfg("train.steps=4", "train.lr=1e-9", "train.warmup_steps=0")
+    train_drafter(cfg, target, second, init_from=first, progress=False)
+    moved = _leaves(load_drafter(second)[1])
+    assert max(np.abs(a - b).max() for a, b in zip(start, moved, strict=True)) < 1e-5
+
+
+def test_cli_train_drafter_then_generate(target, tmp_path):
+    workdir = str(tmp_path / "cli")
+    sets = [x for s in SETTINGS + ["train.steps=2"] for x in ("--set", s)]
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "v41jax", *a], capture_output=True, text=True, timeout=300
+    )
+    out = run("train-drafter", "--target-workdir", target, "--workdir", workdir, *sets)
+    assert out.returncode == 0, out.stderr
+    gen = run(
+        "generate",
+        "--workdir",
+        target,
+        "--drafter",
+        workdir,
+        "--prompt",
+        "The",
+        "--max-new-tokens",
+        "8",
+        "--schedule",
+        "scheduled",
+    )
+    assert gen.returncode == 0, gen.stderr
+    assert "tokens per round (scheduled)" in gen.stderr
+    assert os.path.exists(os.path.join(workdir, "cost_table_b1.json"))
+    bad = run(
+        "train-drafter",
+        "--target-workdir",
+        target,
+        "--workdir",
+        workdir,
+        "--set",
+        "drafter.kind=eagle",
+    )
+    assert bad.returncode == 2 and "drafter.kind='eagle'" in bad.stderr

@@ -1,0 +1,300 @@
+"""Confidence-scheduled verify lengths (DSpark, REFERENCE.md §4).
+
+A decode step holds B requests, each with K drafts and per-draft confidences c [B, K] (the
+drafter's estimate of the conditional acceptance probability of draft j given drafts < j).
+The survival of draft j of request b (1-based) is the probability that it is accepted:
+
+    s[b, j] = prod_{i <= j} c[b, i]                (non-increasing in j, since c <= 1)
+
+Verifying a prefix of L_b drafts of request b yields, in expectation, 1 + sum_{j <= L_b} s[b, j]
+tokens (the accepted drafts plus the one token the verifier always emits). For a total budget
+of n = sum_b L_b drafts, the scheduler hands the slots out by survival: every request gets its
+first draft (L_b >= 1, so B slots are forced), the other n - B slots go to the largest
+survivals among positions j >= 2, ties broken by smaller position, then smaller row. Because
+s is non-increasing in j and ties prefer the smaller position, each request gets a prefix.
+
+    tau(n)        = B + sum of the survivals of the n chosen slots   (expected tokens)
+    tokens(n)     = B + n                    basis "total":  a ragged engine verifies each
+                                             request's pending token plus its drafts
+                  = B * (1 + max_b L_b(n))   basis "padded": every request padded to the
+                                             longest verify length
+    throughput(n) = tau(n) / cost(tokens(n))
+
+with cost(.) the measured verify-step cost (`CostTable`). The budget is the global argmax of
+throughput over n = B .. B K (first index on ties): the cost curve is a staircase, so the
+throughput curve has several local maxima and the first is not necessarily the best. If
+throughput(n*) <= (1 + min_gain) throughput(B K), every request verifies all K drafts (the
+gain does not pay for the schedule's risk of mis-calibrated confidences).
+
+With basis "padded", drafts below the current longest length cost nothing, so throughput jumps
+down where max L grows and rises along each plateau: the argmax sits at the end of a plateau.
+The allocation is still by survival (the same rule for both bases; only the budget differs),
+so rows whose drafts rank below the next slot are not topped up to the maximum even though an
+engine that pads would verify them for free.
+
+The verify length is a function of the confidences only (draft-side information computed
+before the drafts are sampled), which keeps speculative sampling exact; see
+v41jax/spec/pipeline_audit.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+BASES = ("total", "padded")
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Measured verify-step cost: `seconds[i]` for a step over `tokens[i]` tokens in the batch.
+
+    tokens: strictly increasing positive ints; seconds: positive finite, same length >= 1.
+    cost(x) = s_i + (x - t_i) (s_{i+1} - s_i) / (t_{i+1} - t_i), with [t_i, t_{i+1}] the
+    segment containing x: linear interpolation inside the table, linear extrapolation of the
+    first (last) segment below (above) it; one point = a constant. The result is floored at
+    0 (a steep first segment extrapolated far down would go negative).
+    """
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self):
+        tok, sec = tuple(self.tokens), tuple(self.seconds)
+        if len(tok) < 1 or len(tok) != len(sec):
+            raise ValueError(
+                f"cost table needs tokens and seconds of equal length >= 1, got "
+                f"{len(tok)} tokens and {len(sec)} seconds"
+            )
+        for t in tok:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or t < 1:
+                raise ValueError(f"cost table tokens={list(tok)}: {t!r} is not a positive int")
+        for a, b in zip(tok, tok[1:], strict=False):
+            if b <= a:
+                raise ValueError(f"cost table tokens={list(tok)} must strictly increase ({a}, {b})")
+        for s in sec:
+            if not isinstance(s, int | float | np.number) or not (math.isfinite(s) and s > 0):
+                raise ValueError(f"cost table seconds={list(sec)}: {s!r} is not finite and > 0")
+        # tuples of Python scalars: hashable, so a table can be a static argument of jit
+        object.__setattr__(self, "tokens", tuple(int(t) for t in tok))
+        object.__setattr__(self, "seconds", tuple(float(s) for s in sec))
+
+    def _segments(self, xp, x):
+        """Index i of the segment used at x (clipped to the end segments outside the table)."""
+        t = xp.asarray(self.tokens, xp.float32 if xp is jnp else np.float64)
+        i = xp.searchsorted(t, x, side="right") - 1
+        return t, xp.clip(i, 0, len(self.tokens) - 2)
+
+    def __call__(self, n):
+        """cost(n) in seconds (float64; a float for a scalar n, else an array of n's shape)."""
+        x = np.asarray(n, np.float64)
+        if len(self.tokens) == 1:
+            y = np.full(x.shape, self.seconds[0])
+        else:
+            t, i = self._segments(np, x)
+            s = np.asarray(self.seconds, np.float64)
+            y = s[i] + (x - t[i]) * (s[i + 1] - s[i]) / (t[i + 1] - t[i])
+        y = np.maximum(y, 0.0)
+        return float(y) if y.ndim == 0 else y
+
+    def cost_jnp(self, tokens: jax.Array) -> jax.Array:
+        """cost(tokens) as float32 jnp (the same rule as __call__; the table is baked in as
+        constants, so this traces inside jit)."""
+        x = jnp.asarray(tokens, jnp.float32)
+        if len(self.tokens) == 1:
+            return jnp.full(x.shape, self.seconds[0], jnp.float32)
+        t, i = self._segments(jnp, x)
+        s = jnp.asarray(self.seconds, jnp.float32)
+        y = s[i] + (x - t[i]) * (s[i + 1] - s[i]) / (t[i + 1] - t[i])
+        return jnp.maximum(y, 0.0)
+
+    def to_dict(self) -> dict[str, list]:
+        return {"tokens": list(self.tokens), "seconds": list(self.seconds)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostTable:
+        if not isinstance(d, dict) or set(d) != {"tokens", "seconds"}:
+            keys = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(f"cost table dict needs exactly keys tokens, seconds; got {keys}")
+        return cls(tuple(d["tokens"]), tuple(d["seconds"]))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def measure_cost_table(
+    step_for_width: Callable[[int], Callable[[], Any]],
+    widths: Sequence[int],
+    batch_size: int,
+    repeats: int = 5,
+    warmup: int = 1,
+) -> CostTable:
+    """Time a verify step per width w (tokens per request): `fn = step_for_width(w)`, `warmup`
+    untimed calls (compilation), then the median over `repeats` timed calls of fn() (waited on
+    with jax.block_until_ready). Returns CostTable(tokens = batch_size * w, seconds)."""
+    widths = list(widths)
+    if not widths or any(
+        isinstance(w, bool) or not isinstance(w, int | np.integer) or w < 1 for w in widths
+    ):
+        raise ValueError(f"widths={widths} must be a non-empty list of positive ints")
+    widths = [int(w) for w in widths]
+    for name, val, lo in [
+        ("batch_size", batch_size, 1),
+        ("repeats", repeats, 1),
+        ("warmup", warmup, 0),
+    ]:
+        if isinstance(val, bool) or not isinstance(val, int) or val < lo:
+            raise ValueError(f"{name}={val!r} must be an int >= {lo}")
+    # a median of 0 (a call faster than the clock) would be an invalid cost: floor at the tick
+    tick = time.get_clock_info("perf_counter").resolution
+    seconds = []
+    for w in widths:
+        fn = step_for_width(w)
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times.append(time.perf_counter() - start)
+        seconds.append(max(statistics.median(times), tick))
+    return CostTable(tuple(batch_size * w for w in widths), tuple(seconds))
+
+
+class Schedule(NamedTuple):
+    """verify_len int32 [B] in [1, K]; budget int32 scalar (n = sum verify_len); expected
+    tokens tau(n), throughput(n) and throughput(B K) (tokens per second), float32 scalars."""
+
+    verify_len: jax.Array
+    budget: jax.Array
+    expected_tokens: jax.Array
+    throughput: jax.Array
+    full_throughput: jax.Array
+
+
+def _check_args(confidence, cost, basis, min_gain) -> tuple[int, int]:
+    """Raise ValueError naming the bad value; values of `confidence` only when concrete."""
+    if basis not in BASES:
+        raise ValueError(f"basis={basis!r} is not one of {BASES}")
+    if not isinstance(cost, CostTable):
+        raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
+    if isinstance(min_gain, bool) or not isinstance(min_gain, int | float) or not min_gain >= 0:
+        raise ValueError(f"min_gain={min_gain!r} must be a number >= 0")
+    shape = np.shape(confidence)
+    if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
+        raise ValueError(f"confidence must be [B, K] with B, K >= 1, got shape {shape}")
+    if not isinstance(confidence, jax.core.Tracer):
+        c = np.asarray(confidence, np.float64)
+        bad = c[~(np.isfinite(c) & (c >= 0) & (c <= 1))]
+        if bad.size:
+            raise ValueError(f"confidence values {bad[:8].tolist()} are not finite in [0, 1]")
+    return shape
+
+
+def _slot_costs(cost: CostTable, b: int, k: int, basis: str) -> np.ndarray:
+    """Static cost per candidate: basis total -> [M + 1] for n = B + m (m = 0..M, M = B(K-1));
+    padded -> [K] for max L = 1..K. Raises if a cost is <= 0 (throughput undefined)."""
+    if basis == "total":
+        tokens = b + b + np.arange(b * (k - 1) + 1)  # B pending tokens + n = B + m drafts
+    else:
+        tokens = b * (1 + np.arange(1, k + 1))
+    secs = np.atleast_1d(cost(tokens))
+    if np.any(secs <= 0):
+        t = int(tokens[np.argmax(secs <= 0)])
+        raise ValueError(f"cost table gives cost {cost(t)} <= 0 at {t} tokens (extrapolated)")
+    return secs
+
+
+def schedule_verify_lengths(
+    confidence_BxK: jax.Array, cost: CostTable, *, basis: str = "total", min_gain: float = 0.01
+) -> Schedule:
+    """Verify lengths L [B] from confidences c [B, K] in [0, 1] (see the module docstring).
+
+    Pure jnp with static shapes (the cost table is baked in as constants): jit-able with the
+    confidences traced (jit/vmap it with cost, basis, min_gain closed over); values are
+    checked only when concrete.
+    """
+    _check_args(confidence_BxK, cost, basis, min_gain)
+    return _schedule(jnp.asarray(confidence_BxK, jnp.float32), cost, basis, float(min_gain))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _schedule(conf_BxK, cost: CostTable, basis: str, min_gain: float) -> Schedule:
+    b, k = conf_BxK.shape
+    m_free = b * (k - 1)  # slots at positions j >= 2, handed out by survival
+    surv_BxK = jnp.cumprod(conf_BxK, axis=1)
+    forced = jnp.sum(surv_BxK[:, 0])
+    secs = jnp.asarray(_slot_costs(cost, b, k, basis), jnp.float32)
+    if m_free == 0:  # K = 1: every request verifies its single draft
+        tau = b + forced
+        thr = tau / secs[0]
+        n = jnp.int32(b)
+        return Schedule(jnp.ones((b,), jnp.int32), n, tau, thr, thr)
+    # Position-major flat index f = (j - 2) B + row: sorting by (-s, f) is "largest survival
+    # first, ties to the smaller position, then the smaller row" with no reliance on stability.
+    free_M = surv_BxK[:, 1:].T.reshape(-1)
+    flat_M = jnp.arange(m_free, dtype=jnp.int32)
+    neg_sorted, order_M = lax.sort((-free_M, flat_M), num_keys=2)
+    tau_n = b + forced + jnp.concatenate([jnp.zeros(1), jnp.cumsum(-neg_sorted)])  # [M + 1]
+    if basis == "total":
+        cost_n = secs
+    else:  # max L after m free slots = max(1, largest position among the first m in order)
+        pos_M = order_M // b + 2
+        max_len = jnp.concatenate([jnp.ones(1, jnp.int32), lax.cummax(pos_M, axis=0)])
+        cost_n = secs[max_len - 1]
+    thr_n = tau_n / cost_n
+    best = jnp.argmax(thr_n)  # the first index on ties
+    full = thr_n[m_free]
+    best = jnp.where(thr_n[best] > (1.0 + min_gain) * full, best, m_free)
+    rank_M = jnp.zeros(m_free, jnp.int32).at[order_M].set(flat_M)  # inverse permutation
+    chosen_BxK1 = (rank_M < best).reshape(k - 1, b).T
+    verify_len = 1 + jnp.sum(chosen_BxK1, axis=1, dtype=jnp.int32)
+    return Schedule(verify_len, (b + best).astype(jnp.int32), tau_n[best], thr_n[best], full)
+
+
+def schedule_reference(
+    confidence, cost: CostTable, basis: str = "total", min_gain: float = 0.01
+) -> Schedule:
+    """Brute force in float64 numpy over every budget n = B .. B K (for tests); returns a
+    Schedule of numpy values."""
+    b, k = _check_args(confidence, cost, basis, min_gain)
+    surv = np.cumprod(np.asarray(confidence, np.float64), axis=1)
+    free = sorted((-surv[r, j], j, r) for r in range(b) for j in range(1, k))
+    best = None  # (throughput, n, lengths, tau)
+    results = []
+    for n in range(b, b * k + 1):
+        lengths = np.ones(b, np.int64)
+        tau = b + surv[:, 0].sum()
+        for neg_s, _, r in free[: n - b]:
+            lengths[r] += 1
+            tau -= neg_s
+        tokens = b + n if basis == "total" else b * (1 + lengths.max())
+        secs = cost(tokens)
+        if secs <= 0:
+            raise ValueError(f"cost table gives cost {secs} <= 0 at {tokens} tokens")
+        results.append((tau / secs, n, lengths, tau))
+        if best is None or tau / secs > best[0]:
+            best = results[-1]
+    full = results[-1]
+    if not best[0] > (1.0 + min_gain) * full[0]:
+        best = full
+    return Schedule(
+        best[2].astype(np.int32), np.int32(best[1]), np.float32(best[3]), np.float32(best[0]),
+        np.float32(full[0]),
+    )  # fmt: skip

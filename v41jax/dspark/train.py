@@ -1,0 +1,259 @@
+"""Frozen-backbone drafter training (`python -m v41jax train-drafter --target-workdir T ...`).
+
+WORKDIR layout (resumable like `train`: the same command continues a killed run)
+    drafter.json       DrafterRunConfig + the target it was trained against (a rerun must match)
+    checkpoints/<step> orbax: {params, opt_state} of the drafter only + data-iterator state
+    metrics.jsonl      train steps and evals (loss, ce, conf_bce, accept_k, conf_k per position)
+    eval.json          the final evaluation
+
+Only the drafter's parameters are in the optimizer; the target's params enter the step as
+arguments under stop_gradient, so the backbone is bit-identical after training (tested).
+Realignment: `--target-workdir` may name a target trained further than the one the drafter
+started from (`--init-from` a previous drafter workdir): the drafter keeps training against
+the new target, with no gradient into it.
+The batch at step s is a pure function of (seed, s), as are its anchors, so resume is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from tqdm.auto import tqdm
+
+from v41jax import config as config_lib
+from v41jax.data import BatchIterator, eval_batches, prepare_data
+from v41jax.dspark.config import DrafterRunConfig
+from v41jax.dspark.drafter import Drafter, frozen_target
+from v41jax.dspark.objective import drafter_loss, eval_metrics, sample_anchors, target_features
+from v41jax.train import load_run
+from v41jax.train.batches import add_engram_ids
+from v41jax.train.checkpoint import Checkpointer, StopSignal
+from v41jax.train.metrics import MetricsWriter
+
+CONFIG_FILE = "drafter.json"
+
+
+def _save_or_check(workdir: str, record: dict) -> None:
+    path = os.path.join(workdir, CONFIG_FILE)
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        diffs = config_lib.diff(old, record)
+        if diffs:
+            raise ValueError(
+                f"workdir {workdir} holds a drafter run with different settings "
+                f"({'; '.join(diffs)}); use a new --workdir, or the original settings to resume"
+            )
+        return
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+
+
+def load_drafter_config(workdir: str) -> tuple[DrafterRunConfig, dict]:
+    """(the run's config, its JSON record: target_workdir, target_step, ...)."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{workdir} holds no drafter run (no {CONFIG_FILE})")
+    with open(path) as f:
+        record = json.load(f)
+    return config_lib.from_dict(DrafterRunConfig, record["config"]), record
+
+
+def init_drafter_params(cfg: DrafterRunConfig, target_cfg, frozen, seed: int):
+    """Initial drafter params (plain tree) for a target of `target_cfg`."""
+    layer_ids = cfg.drafter.layer_ids_for(target_cfg.num_layers)
+    f = len(layer_ids) * target_cfg.d_model
+    variables = Drafter(cfg.drafter, target_cfg).init(
+        jax.random.key(seed),
+        frozen,
+        jnp.zeros((1, 2, f), jnp.float32),
+        jnp.arange(2, dtype=jnp.int32)[None],
+        jnp.ones((1, 2), bool),
+        jnp.zeros((1, 1), jnp.int32),
+        jnp.ones((1, 1), jnp.int32),
+    )
+    return nn.unbox(variables["params"])
+
+
+def _optimizer(cfg: DrafterRunConfig) -> optax.GradientTransformation:
+    t = cfg.train
+    warmup = min(t.warmup_steps, max(t.steps - 1, 0))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, t.lr, warmup, max(t.steps, warmup + 1), t.lr * 0.1
+    )
+    chain = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
+    chain.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay))
+    return optax.chain(*chain)
+
+
+def make_train_step(cfg: DrafterRunConfig, target_cfg, layer_ids):
+    opt = _optimizer(cfg)
+    loss_fn = functools.partial(
+        drafter_loss, drafter=cfg.drafter, target_cfg=target_cfg, train=cfg.train
+    )
+
+    @jax.jit
+    def step(state, target_params, frozen, batch, anchors):
+        feats, logits = target_features(target_params, target_cfg, layer_ids, batch)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (_, metrics), grads = grad_fn(state["params"], frozen, feats, logits, batch, anchors)
+        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        return {"params": params, "opt_state": opt_state}, metrics
+
+    return opt, step
+
+
+def _anchors_at(seed: int, step: int, batch_size: int, seq_len: int, n: int) -> np.ndarray:
+    return sample_anchors(np.random.default_rng([seed, step]), batch_size, seq_len, n)
+
+
+def _flat(metrics: dict) -> dict:
+    out = {}
+    for name, value in metrics.items():
+        value = np.asarray(value)
+        if value.ndim == 0:
+            out[name] = float(value)
+        else:  # per draft position: accept_1 .. accept_K
+            out.update({f"{name}_{i + 1}": float(v) for i, v in enumerate(value)})
+    return out
+
+
+def evaluate_drafter(cfg, target, frozen, params, batches, layer_ids) -> dict:
+    """Mean metrics over fixed validation batches with fixed anchors (seeded by batch index)."""
+    sums: dict[str, float] = {}
+    for i, batch in enumerate(batches):
+        b, t = batch["inputs"].shape
+        anchors = jnp.asarray(_anchors_at(10**6, i, b, t, cfg.train.anchors_per_seq))
+        m = eval_metrics(
+            params,
+            target.params,
+            frozen,
+            batch,
+            anchors,
+            drafter=cfg.drafter,
+            target_cfg=target.cfg.model,
+            train=cfg.train,
+            layer_ids=layer_ids,
+        )
+        for name, v in _flat(m).items():
+            sums[name] = sums.get(name, 0.0) + v / len(batches)
+    return {f"val_{k}": v for k, v in sums.items()}
+
+
+def train_drafter(
+    cfg: DrafterRunConfig,
+    target_workdir: str,
+    workdir: str,
+    *,
+    init_from: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train (or resume) the drafter in `workdir` against the target in `target_workdir`."""
+    os.makedirs(workdir, exist_ok=True)
+    target = load_run(target_workdir)
+    tcfg = target.cfg
+    layer_ids = cfg.drafter.layer_ids_for(tcfg.model.num_layers)
+    record = {
+        "config": config_lib.to_dict(cfg),
+        "target_workdir": os.path.abspath(target_workdir),
+        "target_step": int(target.step),
+        "init_from": os.path.abspath(init_from) if init_from else None,
+    }
+    _save_or_check(workdir, record)
+    data = prepare_data(tcfg.data, show_progress=progress)
+    seq_len = tcfg.data.seq_len
+    frozen = frozen_target(target.params, tcfg.model)
+    target_params = nn.unbox(target.params)
+    opt, step_fn = make_train_step(cfg, tcfg.model, layer_ids)
+    if init_from:
+        params = load_drafter(init_from)[1]
+    else:
+        params = init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed)
+    state = {"params": params, "opt_state": opt.init(params)}
+    it = BatchIterator(
+        data.train_tokens, data.train_segments, seq_len, cfg.train.batch_size, seed=cfg.train.seed
+    )
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    start = ckpt.latest_step() or 0
+    if start:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        state, data_state = ckpt.restore(start, abstract)
+        it.restore(data_state)
+    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
+    n_val = cfg.train.eval_batches
+    val = [
+        add_engram_ids(b, data.compression, tcfg.model)
+        for b in eval_batches(
+            data.val_tokens, data.val_segments, seq_len, cfg.train.batch_size, n_val
+        )
+    ]
+    prepare = lambda b: {
+        k: jnp.asarray(v) for k, v in add_engram_ids(b, data.compression, tcfg.model).items()
+    }
+    val = [prepare(b) for b in val]
+    result: dict = {"step": start}
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress, desc="drafter")
+    t0 = time.perf_counter()
+    with StopSignal() as stop:
+        for step in range(start, cfg.train.steps):
+            batch = prepare(it.batch_at(step))
+            anchors = _anchors_at(
+                cfg.train.seed, step, cfg.train.batch_size, seq_len, cfg.train.anchors_per_seq
+            )
+            state, metrics = step_fn(state, target_params, frozen, batch, jnp.asarray(anchors))
+            it.step = step + 1
+            done = step + 1
+            bar.update(1)
+            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+                rec = {"step": done, **_flat(metrics), "wall_s": time.perf_counter() - t0}
+                writer.write(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
+            every = cfg.train.eval_every
+            if done == cfg.train.steps or (every and done % every == 0):
+                ev = evaluate_drafter(cfg, target, frozen, state["params"], val, layer_ids)
+                writer.write({"step": done, **ev})
+                result = {"step": done, **ev}
+            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
+                ckpt.save(done, state, it.state())
+            if stop.received is not None:
+                ckpt.save(done, state, it.state())
+                result = {"step": done, "stopped": True}
+                break
+    bar.close()
+    ckpt.close()
+    if not result.get("stopped"):
+        with open(os.path.join(workdir, "eval.json"), "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+def load_drafter(workdir: str, step: int | None = None):
+    """(DrafterRunConfig, drafter params, record) of the latest (or given) checkpoint."""
+    cfg, record = load_drafter_config(workdir)
+    target = load_run(record["target_workdir"])  # the target's shapes define the drafter's
+    frozen = frozen_target(target.params, target.cfg.model)
+    params = init_drafter_params(cfg, target.cfg.model, frozen, 0)
+    state = {"params": params, "opt_state": _optimizer(cfg).init(params)}
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    step = ckpt.latest_step() if step is None else step
+    if step is None or step not in ckpt.all_steps():
+        raise FileNotFoundError(f"no drafter checkpoint {step} in {ckpt.directory}")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    restored, _ = ckpt.restore(step, abstract)
+    ckpt.close()
+    return cfg, restored["params"], {**record, "step": step}
+
+
+def with_overrides(cfg: DrafterRunConfig, overrides: list[str]) -> DrafterRunConfig:
+    return config_lib.override(cfg, overrides) if overrides else dataclasses.replace(cfg)

@@ -1,0 +1,150 @@
+"""Statistical audit of a whole drafting + scheduling + verifying pipeline.
+
+`v41jax.spec.audit` audits a verifier fed with drafts whose law it knows. A pipeline instead
+drafts by itself (its draft law q is unknown to the audit), chooses its own verify lengths and
+verifies: `pipeline(key, target_probs [N, K+1, V]) -> (drafts [N, K], out_tokens [N, K+1],
+accepted [N], verify_len [N])`, with out = (d_0 .. d_{A-1}, t, -1 ..) as for a verifier.
+
+Losslessness. With fixed target tables p_0 .. p_K (prefix-independent: the "target" samples
+token j from p_j whatever came before), a lossless pipeline emits, at every position j <= A,
+
+    P(token_j = v | position j emitted, history h of earlier emitted tokens, L) = p_j(v)   (1)
+
+so the emitted stream is the target's, whatever the drafter and the lengths. The acceptance
+law (equation (2) of the verifier audit) needs q and is not checked here.
+
+Why the length may depend on draft-side information only. The exact verifier (REFERENCE.md §3)
+emits law p_j at position j given the accepted prefix provided that, conditional on that
+prefix, the draft d_j was sampled from the q_j(. | d_<j) it is given, with fresh randomness,
+and the verifier's uniforms are fresh. A length L keeps (1) if it is a function of information
+W fixed before the drafts are sampled and independent of the target, such that given W (and
+the history) the drafts are still sampled from q with fresh randomness: e.g. the confidences
+of the drafter's parallel pass, turned into lengths by a scheduler, possibly across the whole
+batch. Conditioning on L then leaves every d_j ~ q_j and the verifier exact for each value of
+L. A length that depends on the target's probabilities of the sampled drafts (e.g. verify
+while p_j(d_j) >= q_j(d_j)) selects rows by how good their drafts are for the target: given
+L, d_j is no longer distributed as q_j, and (1) fails (tests/test_pipeline_audit.py checks
+that the audit catches it). In general so does a length computed from the sampled drafts.
+
+Checks, per case (fixed tables p, `chunk`-row batches, independent keys):
+  validity    A in [0, L], out[:, :A] = drafts, out[:, A] in [0, V), out[:, A+1:] = -1;
+  verify_len  L in [0, K] (any violation fails);
+  law j       G-test of the emitted tokens at position j against (1), pooled;
+  law j|L,h   the same, stratified by (L, previous emitted token).
+The decision is Bonferroni over all m checks, as in `audit_verifier`: a check passes if
+min(1, m p) >= alpha.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from v41jax.spec.audit import AuditCheck, AuditReport, _check, _position_laws, _validity
+
+Pipeline = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
+
+
+@dataclass(frozen=True)
+class PipelineCase:
+    """A fixed target table p [K+1, V] (float32, rows sum to 1), named for the report."""
+
+    name: str
+    p: np.ndarray
+
+
+def make_pipeline_cases(vocab_size: int, k: int, seed: int) -> list[PipelineCase]:
+    """The audit's target tables; all seeded from `seed`."""
+    v = vocab_size
+    rng = np.random.default_rng(seed)
+    # Dirichlet rows with a 10% uniform floor (as audit.make_cases): every cell has p >= 0.1/V,
+    # so expected counts stay large and the chi-square approximation of G holds.
+    tab = lambda rows: 0.9 * rng.dirichlet(np.ones(v), size=rows) + 0.1 / v
+    _f32 = lambda x: (x / x.sum(-1, keepdims=True)).astype(np.float32)
+    cases = [PipelineCase("random", _f32(tab(k + 1)))]
+    # a token the target forbids at each position: a draft of it must never be emitted
+    p = tab(k + 1)
+    p[np.arange(k + 1), rng.integers(0, v, k + 1)] = 0.0
+    cases.append(PipelineCase("target_zero", _f32(p)))
+    # peaked: ~70% on one token, so most drafts of a flat drafter are rejected or most of a
+    # drafter aimed at it accepted; the rest share 30% (>= 0.3/V each: counts stay large)
+    peak = np.eye(v)[rng.integers(0, v, k + 1)]
+    cases.append(PipelineCase("peaked", _f32(0.7 * peak + 0.3 / v)))
+    return cases
+
+
+def _run_pipeline(fn, case: PipelineCase, k: int, n: int, key, chunk: int):
+    """Drafts d [N, K], lengths L [N], outputs out [N, K+1], A [N] as numpy arrays."""
+    v = case.p.shape[1]
+    n_chunks = max(1, math.ceil(n / chunk))
+    size = math.ceil(n / n_chunks)  # equal chunks: one compilation per case shape
+    p_dev = jnp.asarray(np.broadcast_to(case.p, (size, k + 1, v)))
+    parts = []
+    for c in range(n_chunks):
+        d, out, acc, ell = (np.asarray(x) for x in fn(jax.random.fold_in(key, c), p_dev))
+        shapes = (d.shape, out.shape, acc.shape, ell.shape)
+        if shapes != ((size, k), (size, k + 1), (size,), (size,)):
+            raise ValueError(
+                f"pipeline returned shapes {shapes}; expected drafts [N, K], out [N, K+1], "
+                f"accepted [N], verify_len [N] with N={size}, K={k}"
+            )
+        parts.append((d, ell, out, acc))
+    return tuple(np.concatenate(x) for x in zip(*parts, strict=True))
+
+
+def _length_range(case: PipelineCase, k: int, ell) -> dict:
+    """verify_len must lie in [0, K]: counts of rows below and above."""
+    counts = np.array([(ell < 0).sum(), (ell > k).sum()], np.float64)
+    bad = int(counts.sum())
+    note = f"{bad} rows with L outside [0, {k}]" if bad else ""
+    return _check("verify_len", case.name, counts, np.zeros(2), note=note, bad=bad)
+
+
+def audit_pipeline(
+    pipeline: Pipeline,
+    *,
+    vocab_size: int = 6,
+    k: int = 3,
+    num_samples: int = 100_000,
+    seed: int = 0,
+    alpha: float = 1e-3,
+    chunk: int = 50_000,
+    jit: bool = True,
+    name: str = "",
+) -> AuditReport:
+    """Audit `pipeline(key, target_probs [N, K+1, V]) -> (drafts, out, accepted, verify_len)`
+    on every case of `make_pipeline_cases`, num_samples rows each (module docstring)."""
+    if vocab_size < 3 or k < 1:
+        raise ValueError(f"the audit needs vocab_size >= 3 and k >= 1, got {vocab_size}, {k}")
+    if num_samples < 1 or chunk < 1:
+        raise ValueError(f"num_samples={num_samples} and chunk={chunk} must be >= 1")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha={alpha} must lie in (0, 1)")
+    start = time.perf_counter()
+    fn = jax.jit(pipeline) if jit else pipeline
+    key = jax.random.PRNGKey(seed)
+    raw: list[dict] = []
+    for i, case in enumerate(make_pipeline_cases(vocab_size, k, seed)):
+        d, ell, out, acc = _run_pipeline(
+            fn, case, k, num_samples, jax.random.fold_in(key, i), chunk
+        )
+        raw.append(_validity(case, d, ell, out, acc))
+        raw.append(_length_range(case, k, ell))
+        # an L outside [0, K] already fails; clipped, the strata of (1) stay well defined
+        raw += _position_laws(case, np.clip(ell, 0, k), out, acc)
+    adjusted = [min(1.0, r["p_value"] * len(raw)) for r in raw]  # Bonferroni over all checks
+    checks = zip(adjusted, raw, strict=True)
+    tests = [AuditCheck(p_adjusted=a, passed=a >= alpha, **r) for a, r in checks]
+    return AuditReport(
+        passed=all(t.passed for t in tests),
+        p_value=min(t.p_adjusted for t in tests),
+        alpha=alpha, tests=tests, vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed,
+        verifier_name=name or getattr(pipeline, "__name__", repr(pipeline)),
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip
