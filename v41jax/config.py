@@ -141,6 +141,7 @@ class TrainConfig:
     eval_batches: int = 8
     checkpoint_every: int = 250
     keep_checkpoints: int = 3
+    init_from: str = ""  # a run's workdir: a fresh run starts from its params (fine-tuning)
 
 
 @dataclass(frozen=True)
@@ -211,9 +212,7 @@ def validate(cfg: Config) -> None:
         len(set(ids)) == len(ids) and all(0 <= i < m.num_layers for i in ids),
         f"model.moe.layer_ids={ids} must be distinct layers in [0, num_layers={m.num_layers})",
     )
-    _require(
-        d.vocab_size >= 259, f"data.vocab_size={d.vocab_size} must be >= 259 (bytes + special)"
-    )
+    _require(d.vocab_size >= 259, f"data.vocab_size={d.vocab_size} < 259 (bytes + specials)")
     _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
     _require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} must be > 0")
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")

@@ -107,10 +107,14 @@ def _load_or_tokenize(
     return tokens, _segments_from_lengths(doc_lengths)
 
 
-def prepare_data(cfg: DataConfig, *, show_progress: bool = False) -> PreparedData:
+def prepare_data(
+    cfg: DataConfig, *, show_progress: bool = False, tokenizer: Tokenizer | None = None
+) -> PreparedData:
     """Load, split, tokenize and compress the corpus described by `cfg` (see module docstring).
 
     `cfg.max_documents > 0` keeps the first documents in name order before splitting.
+    `tokenizer`: use this one (e.g. a run's, to fine-tune it on other text) instead of the BPE
+    trained on these documents; its vocabulary size must be `cfg.vocab_size`.
     Raises if either split has fewer windows of seq_len + 1 tokens than one global batch.
     """
     if cfg.max_documents < 0:
@@ -123,7 +127,13 @@ def prepare_data(cfg: DataConfig, *, show_progress: bool = False) -> PreparedDat
         docs = docs[: cfg.max_documents]
     train_docs, val_docs = split_documents(docs, cfg.val_fraction, cfg.seed)
     cache_dir = resolve_cache_dir(cfg.cache_dir)
-    tokenizer = load_or_train_tokenizer([d.text for d in train_docs], cfg.vocab_size, cache_dir)
+    if tokenizer is None:
+        tokenizer = load_or_train_tokenizer([d.text for d in train_docs], cfg.vocab_size, cache_dir)
+    elif tokenizer.vocab_size != cfg.vocab_size:
+        raise ValueError(
+            f"the given tokenizer has {tokenizer.vocab_size} tokens, data.vocab_size="
+            f"{cfg.vocab_size}"
+        )
     train_tokens, train_segments = _load_or_tokenize(
         tokenizer, train_docs, cache_dir, "tokenize train", show_progress
     )

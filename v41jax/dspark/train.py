@@ -171,7 +171,7 @@ def train_drafter(
         "init_from": os.path.abspath(init_from) if init_from else None,
     }
     _save_or_check(workdir, record)
-    data = prepare_data(tcfg.data, show_progress=progress)
+    data = prepare_data(tcfg.data, show_progress=progress, tokenizer=target.tokenizer)
     seq_len = tcfg.data.seq_len
     frozen = frozen_target(target.params, tcfg.model)
     target_params = nn.unbox(target.params)

@@ -103,7 +103,10 @@ def validation_batches(cfg: Config, data: PreparedData, num_batches: int) -> lis
 
 
 def _prepare(cfg: Config, workdir: str, progress: bool) -> PreparedData:
-    data = prepare_data(cfg.data, show_progress=progress)
+    # A fine-tuning run keeps its source's tokenizer, whatever text it trains on now.
+    source = cfg.train.init_from
+    tokenizer = Tokenizer.load(os.path.join(source, "tokenizer.json")) if source else None
+    data = prepare_data(cfg.data, show_progress=progress, tokenizer=tokenizer)
     if data.tokenizer.vocab_size != cfg.model.vocab_size:
         raise ValueError(
             f"tokenizer has {data.tokenizer.vocab_size} tokens but "
@@ -164,6 +167,11 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     start = checkpointer.latest_step()
     if start is None:
         start, state = 0, init_fn(cfg.train.seed)
+        if cfg.train.init_from:  # fine-tuning: another run's params, a fresh optimizer
+            source = load_run(cfg.train.init_from)
+            if diffs := config_lib.diff(source.cfg.model, cfg.model):
+                raise ValueError(f"train.init_from={cfg.train.init_from}: model differs {diffs}")
+            state = state.replace(params=jax.device_put(source.params, shardings.params))
     else:
         state, extra = checkpointer.restore(start, abstract)
         iterator.restore(extra["iterator"])
@@ -267,7 +275,7 @@ def load_run(workdir: str, step: int | None = None) -> LoadedRun:
 def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = False) -> dict:
     """Validation loss of the latest checkpoint in `workdir`."""
     run = load_run(workdir)
-    data = prepare_data(run.cfg.data, show_progress=progress)
+    data = prepare_data(run.cfg.data, show_progress=progress, tokenizer=run.tokenizer)
     eval_step = make_eval_step(run.cfg, run.mesh, run.model, run.param_shardings)
     val = validation_batches(run.cfg, data, num_batches or run.cfg.train.eval_batches)
     return {"step": run.step, **evaluate(eval_step, run.mesh, run.params, val)}
