@@ -224,7 +224,7 @@ def _dspark_generate(
     first = jax.random.categorical(key, jnp.log(probs(last.astype(jnp.float32))), axis=-1)
     history = _write(history, lengths_B, first.astype(jnp.int32)[:, None], lengths_B[:, None] >= 0)
     end_B = lengths_B + max_new_tokens  # a row is done once pos + 1 >= end
-    slots_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    win = min(drafter.window, s)
 
     def verify_branch(width):
         def run(t_kv, hist, pos):
@@ -244,12 +244,15 @@ def _dspark_generate(
         rng, k_draft, k_verify = jax.random.split(rng, 3)
         active = pos + 1 < end_B
         pending = jnp.take_along_axis(history, pos[:, None], axis=1)
+        # Only the window [pos - W, pos) is visible: attend to a W-slot slice, not all S slots.
+        start = jnp.clip(pos - win, 0, s - win)
+        window = lambda x: jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, win))(x, start)
         d_out = module.apply(
             {"params": drafter_params},
             frozen,
-            ctx,
-            slots_BxS,
-            jnp.ones((b, s), bool),
+            [{n: window(c[n]) for n in ("k", "v")} for c in ctx],
+            start[:, None] + jnp.arange(win, dtype=jnp.int32),
+            jnp.ones((b, win), bool),
             pending,
             pos[:, None],
             method=module.draft,

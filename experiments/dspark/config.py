@@ -1,0 +1,76 @@
+"""DSpark experiment settings: the target, its post-training stand-in, the drafters, the eval.
+
+Text: the bundled State of the Union corpus split by year. The target trains on speeches
+before SPLIT_YEAR; its "post-training" stand-in continues training on the speeches from
+SPLIT_YEAR on (modern prose: a real shift of the target's distribution), with the same
+tokenizer. Drafters train on the target's text; evaluation prompts come from the held-out
+validation split of the text the target in question was (last) trained on.
+`QUICK` shrinks everything for the slow smoke test.
+"""
+
+import dataclasses
+
+from v41jax.config import Config, get_config, override
+
+BASE = "small"  # the named config of the target
+SPLIT_YEAR = 1946
+TARGET_STEPS = 400
+POST_STEPS = 200
+DRAFTER_STEPS = 500
+REALIGN_STEPS = 250
+
+# name -> `--set` overrides of DrafterRunConfig (defaults: DSpark, K = 5, 3 blocks, r = 32).
+DRAFTERS = {
+    "mtp1": [
+        "drafter.kind=mtp1",
+        "drafter.block_size=1",
+        "drafter.num_layers=1",
+        "drafter.markov_rank=0",
+    ],
+    "parallel": ["drafter.kind=parallel", "drafter.markov_rank=0"],
+    "dspark": [],
+    "dspark_k7": ["drafter.block_size=7"],
+}
+DRAFTER_COMMON = ["train.eval_every=0", "train.log_every=25"]
+MAIN = "dspark"  # the drafter of the scheduler, fixed-length sweep and realignment studies
+
+NUM_PROMPTS = 32
+PROMPT_LEN = 32
+NEW_TOKENS = 64
+BATCHES = (1, 8, 32)
+TEMPERATURE = 1.0
+TIMING_REPEATS = 2
+SEED = 0
+
+
+def target_config(early_dir: str) -> Config:
+    cfg = override(get_config(BASE), [f"data.paths={early_dir}", f"train.steps={TARGET_STEPS}"])
+    return dataclasses.replace(cfg, name="dspark_target")
+
+
+def post_config(late_dir: str, target_workdir: str) -> Config:
+    cfg = override(
+        get_config(BASE),
+        [
+            f"data.paths={late_dir}",
+            f"train.steps={POST_STEPS}",
+            f"train.init_from={target_workdir}",
+            "optim.lr=1e-3",
+            "optim.warmup_steps=20",
+        ],
+    )
+    return dataclasses.replace(cfg, name="dspark_target_post")
+
+
+QUICK = dict(
+    BASE="tiny",
+    TARGET_STEPS=6,
+    POST_STEPS=4,
+    DRAFTER_STEPS=4,
+    REALIGN_STEPS=2,
+    NUM_PROMPTS=4,
+    NEW_TOKENS=8,
+    BATCHES=(1, 4),
+    TIMING_REPEATS=1,
+    DRAFTERS={k: DRAFTERS[k] for k in ("mtp1", "parallel", "dspark")},
+)

@@ -1,0 +1,231 @@
+"""Regenerate the DSpark experiment: train the target and the drafters, then measure.
+
+    python experiments/dspark/run.py [--runs-dir runs/dspark] [--stage all|train|eval] [--quick]
+
+1. Train (resumable; finished runs are skipped): the target on the early speeches, its
+   post-training stand-in (continued on the late speeches), the drafters of config.DRAFTERS
+   on the frozen target, and the main drafter realigned to the post-trained target.
+2. Evaluate on held-out prompts, sampling at config.TEMPERATURE (the exact acceptance rule):
+   per-position acceptance and tokens per round of every drafter (fixed length K) with the
+   throughput model's prediction, confidence calibration, DSpark's fixed lengths 1..K vs the
+   confidence scheduler, wall-clock tokens/s of plain decoding and of each drafter at
+   config.BATCHES, and acceptance on the post-trained target before / after realignment.
+Writes results/summary.json, results/tables.md and PNGs (acceptance, reliability, throughput).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import config as C  # noqa: E402
+from report import write_report  # noqa: E402
+
+from v41jax import config as config_lib  # noqa: E402
+from v41jax.bench.common import machine_info  # noqa: E402
+from v41jax.data import prepare_data  # noqa: E402
+from v41jax.data.corpus import default_corpus_dir  # noqa: E402
+from v41jax.dspark import analysis as A  # noqa: E402
+from v41jax.dspark.config import DrafterRunConfig  # noqa: E402
+from v41jax.dspark.drafter import frozen_target  # noqa: E402
+from v41jax.dspark.engine import dspark_generate, load_or_measure_cost  # noqa: E402
+from v41jax.dspark.train import load_drafter, train_drafter  # noqa: E402
+from v41jax.model import generate  # noqa: E402
+from v41jax.train import load_run, train  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- training
+def split_texts(runs_dir: str) -> tuple[str, str]:
+    """Folders of symlinks to the corpus speeches before / from config.SPLIT_YEAR."""
+    src = default_corpus_dir()
+    early, late = (os.path.join(runs_dir, "texts", n) for n in ("early", "late"))
+    for folder in (early, late):
+        os.makedirs(folder, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        if not name.endswith(".txt"):
+            continue
+        dest = os.path.join(early if int(name[:4]) < C.SPLIT_YEAR else late, name)
+        if not os.path.exists(dest):
+            os.symlink(os.path.join(src, name), dest)
+    return early, late
+
+
+def _drafter_cfg(name: str, steps: int) -> DrafterRunConfig:
+    sets = C.DRAFTER_COMMON + C.DRAFTERS[name] + [f"train.steps={steps}"]
+    return config_lib.override(DrafterRunConfig(), sets)
+
+
+def train_all(runs_dir: str) -> dict:
+    early, late = split_texts(runs_dir)
+    w = {"target": os.path.join(runs_dir, "target"), "post": os.path.join(runs_dir, "post")}
+    train(C.target_config(early), w["target"])
+    train(C.post_config(late, w["target"]), w["post"])
+    for name in C.DRAFTERS:
+        w[name] = os.path.join(runs_dir, "drafters", name)
+        train_drafter(_drafter_cfg(name, C.DRAFTER_STEPS), w["target"], w[name])
+    w["realigned"] = os.path.join(runs_dir, "drafters", f"{C.MAIN}_realigned")
+    train_drafter(
+        _drafter_cfg(C.MAIN, C.REALIGN_STEPS), w["post"], w["realigned"], init_from=w[C.MAIN]
+    )
+    return w
+
+
+# ----------------------------------------------------------------------------- evaluation
+def val_prompts(run, n: int, length: int) -> np.ndarray:
+    """n prompts of `length` tokens spread evenly over the run's held-out validation text."""
+    data = prepare_data(run.cfg.data, tokenizer=run.tokenizer)
+    tokens = np.asarray(data.val_tokens)
+    starts = np.linspace(0, tokens.size - length - 1, n).astype(int)
+    return np.stack([tokens[s : s + length] for s in starts]).astype(np.int32)
+
+
+class Decoder:
+    """Decodes all prompts in chunks of `batch` rows; keeps the DSpark logs of the last pass."""
+
+    def __init__(self, target, prompts):
+        self.target, self.prompts = target, prompts
+        self.frozen = frozen_target(target.params, target.cfg.model)
+
+    def _chunks(self, batch):
+        for i in range(0, len(self.prompts), batch):
+            p = self.prompts[i : i + batch]
+            yield p, np.full((len(p),), p.shape[1], np.int32)
+
+    def run(self, batch, drafter=None, mode="fixed", verify_len=None, cost=None, repeats=None):
+        """(fastest wall seconds of a whole pass over `repeats` passes, the merged log of the
+        last pass or None); compiled before timing. Every pass uses the same key."""
+        t, logs, key = self.target, [], jax.random.key(C.SEED)
+        common = dict(max_new_tokens=C.NEW_TOKENS, temperature=C.TEMPERATURE, rng=key)
+
+        def call(p, lens):
+            if drafter is None:
+                return generate(t.params, t.cfg.model, p, lens, **common)
+            return dspark_generate(
+                t.params,
+                t.cfg.model,
+                drafter[1],
+                drafter[0].drafter,
+                self.frozen,
+                p,
+                lens,
+                mode=mode,
+                verify_len=verify_len,
+                cost=cost,
+                **common,
+            )
+
+        jax.block_until_ready(call(*next(self._chunks(batch))))  # compile
+        best = float("inf")
+        for _ in range(repeats or C.TIMING_REPEATS):
+            start, logs = time.perf_counter(), []
+            for p, lens in self._chunks(batch):
+                out = jax.block_until_ready(call(p, lens))
+                if drafter is not None:
+                    logs.append({k: np.asarray(v) for k, v in out._asdict().items()})
+            best = min(best, time.perf_counter() - start)
+        return best, (A.merge_logs(logs) if logs else None)
+
+
+def drafter_stats(log: dict, k: int) -> dict:
+    alpha, reached = A.acceptance_per_position(log["verify_len"], log["accepted"], log["active"], k)
+    fixed_k = bool(np.all(log["verify_len"][log["active"]] == k))
+    return {
+        "acceptance": [None if np.isnan(a) else float(a) for a in alpha],
+        "reached": reached.tolist(),
+        "tokens_per_round": A.tokens_per_round(log["accepted"], log["active"]),
+        "predicted_tokens_per_round": (
+            A.predicted_tokens_per_round(alpha, k)
+            if fixed_k and not np.isnan(alpha).any()
+            else None
+        ),
+        "mean_verify_len": float(log["verify_len"][log["active"]].mean()),
+        "calibration": A.calibration(
+            log["confidence"], log["verify_len"], log["accepted"], log["active"]
+        ),
+    }
+
+
+def evaluate_all(w: dict) -> dict:
+    target, post = load_run(w["target"]), load_run(w["post"])
+    prompts = val_prompts(target, C.NUM_PROMPTS, C.PROMPT_LEN)
+    dec, total = Decoder(target, prompts), C.NUM_PROMPTS * C.NEW_TOKENS
+    drafters = {name: load_drafter(w[name]) for name in C.DRAFTERS}
+    main_k = drafters[C.MAIN][0].drafter.block_size
+    stats, rows = {}, []
+    big = max(C.BATCHES)
+    jobs = [(b, None, "plain", None) for b in C.BATCHES]
+    jobs += [(b, n, "fixed", None) for b in C.BATCHES for n in C.DRAFTERS]
+    jobs += [(b, C.MAIN, "scheduled", None) for b in C.BATCHES]
+    jobs += [(big, C.MAIN, "fixed", L) for L in range(1, main_k)]
+    for b, name, mode, length in tqdm(jobs, desc="decode"):
+        d = drafters.get(name)
+        cost = None
+        if mode == "scheduled":
+            cost = load_or_measure_cost(w[name], target.params, target.cfg.model, d[0].drafter, b)
+        if mode == "plain":
+            secs, log = dec.run(b)
+        else:
+            secs, log = dec.run(b, d, "scheduled" if mode == "scheduled" else "fixed", length, cost)
+        k = d[0].drafter.block_size if d else 0
+        label = "plain" if name is None else f"{name} {mode}" + (f" L={length}" if length else "")
+        row = {
+            "name": label,
+            "drafter": name,
+            "mode": mode,
+            "verify_len": length or k,
+            "batch": b,
+            "seconds": secs,
+            "tokens_per_s": total / secs,
+        }
+        if log is not None:
+            row["tokens_per_round"] = A.tokens_per_round(log["accepted"], log["active"])
+            if b == big and length is None:
+                stats[label] = drafter_stats(log, k)
+        rows.append(row)
+    # Realignment: the main drafter before / after, on the post-trained target's held-out text.
+    post_dec = Decoder(post, val_prompts(post, C.NUM_PROMPTS, C.PROMPT_LEN))
+    realign = {}
+    for label, d in (("before", drafters[C.MAIN]), ("after", load_drafter(w["realigned"]))):
+        _, log = post_dec.run(big, d, repeats=1)
+        realign[label] = drafter_stats(log, main_k)
+    return {"rows": rows, "stats": stats, "realignment": realign}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs-dir", default=os.path.join("runs", "dspark"))
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--stage", choices=("all", "train", "eval"), default="all")
+    ap.add_argument("--quick", action="store_true", help="a miniature of everything (tests)")
+    args = ap.parse_args()
+    if args.quick:
+        for name, value in C.QUICK.items():
+            setattr(C, name, value)
+    w = train_all(args.runs_dir)
+    if args.stage == "train":
+        return 0
+    os.makedirs(args.out_dir, exist_ok=True)
+    result = evaluate_all(w)
+    summary = {
+        "machine": machine_info(),
+        "settings": {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"},
+        "training": {n: json.load(open(os.path.join(w[n], "eval.json"))) for n in w},
+        **result,
+    }
+    with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(write_report(summary, args.out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

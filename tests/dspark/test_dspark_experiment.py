@@ -1,0 +1,46 @@
+"""The DSpark experiment end to end in miniature (slow: trains a tiny target, its post-trained
+stand-in and three drafters, then decodes): every decoder at every batch size is timed, the
+drafters' statistics, the realignment study and the four target checks are reported."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.slow
+def test_dspark_experiment_miniature(tmp_path):
+    out = tmp_path / "results"
+    script = os.path.join(ROOT, "experiments", "dspark", "run.py")
+    cmd = [
+        sys.executable,
+        script,
+        "--quick",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        "--out-dir",
+        str(out),
+    ]
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=1200)
+    summary = json.loads((out / "summary.json").read_text())
+    decoders = {(r["name"], r["batch"]) for r in summary["rows"]}
+    for b in (1, 4):
+        for name in ("plain", "mtp1 fixed", "parallel fixed", "dspark fixed", "dspark scheduled"):
+            assert (name, b) in decoders
+    assert all(r["tokens_per_s"] > 0 for r in summary["rows"])
+    for name in ("mtp1 fixed", "parallel fixed", "dspark fixed", "dspark scheduled"):
+        stats = summary["stats"][name]
+        assert stats["tokens_per_round"] >= 1 and 0 <= stats["calibration"]["ece"] <= 1
+    assert len(summary["stats"]["mtp1 fixed"]["acceptance"]) == 1
+    assert set(summary["realignment"]) == {"before", "after"}
+    tables = (out / "tables.md").read_text()
+    assert (
+        "The issue's targets" in tables
+        and tables.count("| True |") + tables.count("| False |") == 4
+    )
+    for png in ("acceptance.png", "reliability.png", "throughput.png"):
+        assert (out / png).stat().st_size > 0
