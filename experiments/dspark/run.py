@@ -64,18 +64,24 @@ def _drafter_cfg(name: str, steps: int) -> DrafterRunConfig:
     return config_lib.override(DrafterRunConfig(), sets)
 
 
+def _finished(result: dict) -> None:
+    # A run stopped by a signal has checkpointed: stop here (later stages build on it), and
+    # the same command continues.
+    if result.get("stopped"):
+        sys.exit("stopped by a signal; rerun the same command to continue")
+
+
 def train_all(runs_dir: str) -> dict:
     early, late = split_texts(runs_dir)
     w = {"target": os.path.join(runs_dir, "target"), "post": os.path.join(runs_dir, "post")}
-    train(C.target_config(early), w["target"])
-    train(C.post_config(late, w["target"]), w["post"])
+    _finished(train(C.target_config(early), w["target"]))
+    _finished(train(C.post_config(late, w["target"]), w["post"]))
     for name in C.DRAFTERS:
         w[name] = os.path.join(runs_dir, "drafters", name)
-        train_drafter(_drafter_cfg(name, C.DRAFTER_STEPS), w["target"], w[name])
+        _finished(train_drafter(_drafter_cfg(name, C.DRAFTER_STEPS), w["target"], w[name]))
     w["realigned"] = os.path.join(runs_dir, "drafters", f"{C.MAIN}_realigned")
-    train_drafter(
-        _drafter_cfg(C.MAIN, C.REALIGN_STEPS), w["post"], w["realigned"], init_from=w[C.MAIN]
-    )
+    cfg = _drafter_cfg(C.MAIN, C.REALIGN_STEPS)
+    _finished(train_drafter(cfg, w["post"], w["realigned"], init_from=w[C.MAIN]))
     return w
 
 
