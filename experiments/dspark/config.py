@@ -32,6 +32,9 @@ DRAFTERS = {
 }
 # Block size 7 (the public checkpoints' choice) as one more drafter: add it to DRAFTERS, e.g.
 # DRAFTERS["dspark_k7"] = ["drafter.block_size=7"] (not in the default run: CPU time).
+# Trained like DRAFTERS, evaluated for acceptance only (batch max(BATCHES), fixed K): the
+# training-target choice, corpus tokens instead of the target's distributions.
+ABLATIONS = {"dspark_tokens": ["train.targets=tokens"]}
 DRAFTER_COMMON = ["train.eval_every=0", "train.log_every=25"]
 MAIN = "dspark"  # the drafter of the scheduler, fixed-length sweep and realignment studies
 

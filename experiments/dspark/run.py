@@ -60,7 +60,7 @@ def split_texts(runs_dir: str) -> tuple[str, str]:
 
 
 def _drafter_cfg(name: str, steps: int) -> DrafterRunConfig:
-    sets = C.DRAFTER_COMMON + C.DRAFTERS[name] + [f"train.steps={steps}"]
+    sets = C.DRAFTER_COMMON + {**C.DRAFTERS, **C.ABLATIONS}[name] + [f"train.steps={steps}"]
     return config_lib.override(DrafterRunConfig(), sets)
 
 
@@ -76,7 +76,7 @@ def train_all(runs_dir: str) -> dict:
     w = {"target": os.path.join(runs_dir, "target"), "post": os.path.join(runs_dir, "post")}
     _finished(train(C.target_config(early), w["target"]))
     _finished(train(C.post_config(late, w["target"]), w["post"]))
-    for name in C.DRAFTERS:
+    for name in [*C.DRAFTERS, *C.ABLATIONS]:
         w[name] = os.path.join(runs_dir, "drafters", name)
         _finished(train_drafter(_drafter_cfg(name, C.DRAFTER_STEPS), w["target"], w[name]))
     w["realigned"] = os.path.join(runs_dir, "drafters", f"{C.MAIN}_realigned")
@@ -164,7 +164,7 @@ def evaluate_all(w: dict) -> dict:
     target, post = load_run(w["target"]), load_run(w["post"])
     prompts = val_prompts(target, C.NUM_PROMPTS, C.PROMPT_LEN)
     dec, total = Decoder(target, prompts), C.NUM_PROMPTS * C.NEW_TOKENS
-    drafters = {name: load_drafter(w[name]) for name in C.DRAFTERS}
+    drafters = {name: load_drafter(w[name]) for name in [*C.DRAFTERS, *C.ABLATIONS]}
     main_k = drafters[C.MAIN][0].drafter.block_size
     stats, rows = {}, []
     big = max(C.BATCHES)
@@ -172,6 +172,7 @@ def evaluate_all(w: dict) -> dict:
     jobs += [(b, n, "fixed", None) for b in C.BATCHES for n in C.DRAFTERS]
     jobs += [(b, C.MAIN, "scheduled", None) for b in C.BATCHES]
     jobs += [(big, C.MAIN, "fixed", L) for L in range(1, main_k)]
+    jobs += [(big, n, "fixed", None) for n in C.ABLATIONS]
     for b, name, mode, length in tqdm(jobs, desc="decode"):
         d = drafters.get(name)
         cost = None

@@ -186,6 +186,11 @@ def train_drafter(
     )
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     start = ckpt.latest_step() or 0
+    eval_path = os.path.join(workdir, "eval.json")
+    if start >= cfg.train.steps and os.path.exists(eval_path):  # finished: nothing to do
+        ckpt.close()
+        with open(eval_path) as f:
+            return json.load(f)
     if start:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
         state, data_state = ckpt.restore(start, abstract)
@@ -233,7 +238,7 @@ def train_drafter(
     bar.close()
     ckpt.close()
     if not result.get("stopped"):
-        with open(os.path.join(workdir, "eval.json"), "w") as f:
+        with open(eval_path, "w") as f:
             json.dump(result, f, indent=2)
     return result
 
