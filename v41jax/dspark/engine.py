@@ -302,20 +302,40 @@ def _dspark_generate(
 
 
 def measure_verify_cost(
-    target_params, target_cfg: ModelConfig, batch_size: int, block_size: int, repeats: int = 5
+    target_params,
+    target_cfg: ModelConfig,
+    batch_size: int,
+    block_size: int,
+    repeats: int = 5,
+    steps: int = 8,
 ) -> CostTable:
     """The target's verify-step cost: seconds of one cached forward of w tokens per row for
-    w = 2 .. K + 1 (the pending token and 1 .. K drafts), B rows; tokens = B * w."""
+    w = 2 .. K + 1 (the pending token and 1 .. K drafts), B rows; tokens = B * w.
+
+    Timed as `steps` forwards in a `lax.scan` that carries the KV cache, as decoding does (the
+    cache is updated in place); a standalone call would also copy the whole cache in and out,
+    a fixed cost that flattens the curve the scheduler trades against.
+    """
     b, s = batch_size, target_cfg.max_seq_len
     kv = init_cache(target_cfg, b)
     history = jnp.zeros((b, s), jnp.int32)
-    start = jnp.full((b,), s // 4, jnp.int32)  # mid-sequence, as in decoding
+    start = s // 4  # mid-sequence, as in decoding
+    steps = max(1, min(steps, (s - start) // (block_size + 1)))  # every write stays inside S
 
     def step_for_width(w):
-        fn = jax.jit(lambda: extend_output(target_params, target_cfg, kv, history, start, w).logits)
-        return fn
+        @jax.jit
+        def run(kv):
+            def body(kv, i):
+                pos = jnp.full((b,), start, jnp.int32) + i * w
+                out = extend_output(target_params, target_cfg, kv, history, pos, w)
+                return out.cache, out.logits[:, -1, 0]
 
-    return measure_cost_table(step_for_width, range(2, block_size + 2), b, repeats=repeats)
+            return jax.lax.scan(body, kv, jnp.arange(steps))[1]
+
+        return lambda: run(kv)
+
+    table = measure_cost_table(step_for_width, range(2, block_size + 2), b, repeats=repeats)
+    return CostTable(table.tokens, tuple(t / steps for t in table.seconds))
 
 
 def load_or_measure_cost(
