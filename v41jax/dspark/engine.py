@@ -40,8 +40,8 @@ from v41jax.dspark.markov import markov_draft
 from v41jax.dspark.scheduler import CostTable, measure_cost_table, schedule_verify_lengths
 from v41jax.model.attention import update_cache
 from v41jax.model.generate import _check_compression, init_cache
-from v41jax.model.sampling import Scalar, check_sampling_args, sampling_probs
-from v41jax.model.speculative import _write, extend_output
+from v41jax.model.sampling import Scalar, knob_probs, sampling_knobs
+from v41jax.model.speculative import _write, check_prompt_batch, extend_output
 from v41jax.spec import speculative_sample
 
 MODES = ("fixed", "scheduled")
@@ -74,13 +74,8 @@ def check_dspark_args(
         raise ValueError(f"mode={mode!r} not in {MODES}")
     if verify_len is not None and not 1 <= verify_len <= k:
         raise ValueError(f"verify_len={verify_len} must be in [1, block_size={k}]")
-    if n_new < 1:
-        raise ValueError(f"max_new_tokens={n_new} must be >= 1")
-    if len(prompt_shape) != 2 or np.shape(lengths) != prompt_shape[:1]:
-        raise ValueError(f"prompts must be [B, P] with lengths [B], got {prompt_shape}")
+    check_prompt_batch(prompt_shape, lengths, n_new)
     lengths = np.asarray(lengths)
-    if lengths.min() < 1 or lengths.max() > prompt_shape[1]:
-        raise ValueError(f"prompt_lengths {lengths.tolist()} must lie in [1, P={prompt_shape[1]}]")
     need = int(lengths.max()) + n_new + 2 * k + 1
     if max(need, prompt_shape[1]) > target_cfg.max_seq_len:
         raise ValueError(
@@ -126,20 +121,11 @@ def dspark_generate(
     )
     if mode == "scheduled" and cost is None:
         raise ValueError("mode='scheduled' needs the target's verify cost table (cost=...)")
-    check_sampling_args(temperature, top_k, top_p, min_p)
+    knobs = sampling_knobs(temperature, top_k, top_p, min_p)
     _check_compression(target_cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
     drafter_params, target_params = nn.unbox(drafter_params), nn.unbox(target_params)
-    knobs = tuple(
-        jnp.asarray(x, dt)
-        for x, dt in (
-            (temperature, jnp.float32),
-            (top_k, jnp.int32),
-            (top_p, jnp.float32),
-            (min_p, jnp.float32),
-        )
-    )
     return _dspark_generate(
         target_params,
         drafter_params,
@@ -195,8 +181,7 @@ def _dspark_generate(
     layer_ids = drafter.layer_ids_for(target_cfg.num_layers)
     module = Drafter(drafter, target_cfg)
     markov = drafter_params.get("markov") if drafter.uses_markov else None
-    probs = functools.partial(sampling_probs, temperature=knobs[0], top_k=knobs[1])
-    probs = functools.partial(probs, top_p=knobs[2], min_p=knobs[3])
+    probs = knob_probs(knobs)
     feats = lambda out: jnp.concatenate([out.hidden[i] for i in layer_ids], axis=-1)
 
     # Prefill: the prompt through the target (its features fill the drafter's context cache).

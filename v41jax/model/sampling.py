@@ -108,3 +108,22 @@ def sample_logits(
     """One token per row, int32 [B], drawn from `sampling_probs(logits, ...)`."""
     probs_BxV = sampling_probs(logits_BxV, temperature, top_k, top_p, min_p)
     return jax.random.categorical(rng, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)
+
+
+Knobs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+
+def sampling_knobs(temperature: Scalar, top_k: Scalar, top_p: Scalar, min_p: Scalar) -> Knobs:
+    """Checked (`check_sampling_args`) settings as arrays (temperature, top_k, top_p, min_p),
+    so a jitted decoding loop takes them as traced arguments: one compilation for all."""
+    check_sampling_args(temperature, top_k, top_p, min_p)
+    dtypes = (jnp.float32, jnp.int32, jnp.float32, jnp.float32)
+    return tuple(
+        jnp.asarray(x, dt) for x, dt in zip((temperature, top_k, top_p, min_p), dtypes, strict=True)
+    )
+
+
+def knob_probs(knobs: Knobs):
+    """`logits -> sampling_probs(logits, *knobs)`: the one law both q and p are built with."""
+    t, k, p, m = knobs
+    return lambda logits: sampling_probs(logits, temperature=t, top_k=k, top_p=p, min_p=m)

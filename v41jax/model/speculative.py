@@ -32,7 +32,7 @@ import numpy as np
 from v41jax.config import ModelConfig
 from v41jax.engram import ngram_hash_ids_step
 from v41jax.model.generate import _check_compression, _window_ending_at, prefill
-from v41jax.model.sampling import Scalar, check_sampling_args, sampling_probs
+from v41jax.model.sampling import Scalar, knob_probs, sampling_knobs
 from v41jax.model.transformer import Transformer, engram_ids_key
 from v41jax.spec import speculative_sample
 
@@ -105,6 +105,17 @@ def _write(history_BxS, start_B, values_BxT, mask_BxT):
     return history_BxS.at[rows, cols].set(values_BxT, mode="drop")
 
 
+def check_prompt_batch(prompt_shape, lengths, n_new: int) -> None:
+    """Right-padded prompts [B, P] with lengths [B] in [1, P], and max_new_tokens >= 1."""
+    if n_new < 1:
+        raise ValueError(f"max_new_tokens={n_new} must be >= 1")
+    if len(prompt_shape) != 2 or np.shape(lengths) != prompt_shape[:1]:
+        raise ValueError(f"prompts must be [B, P] with lengths [B], got {prompt_shape}")
+    lengths = np.asarray(lengths)
+    if lengths.min() < 1 or lengths.max() > prompt_shape[1]:
+        raise ValueError(f"prompt_lengths {lengths.tolist()} must lie in [1, P={prompt_shape[1]}]")
+
+
 def check_speculative_generate_args(target_cfg, draft_cfg, prompt_shape, lengths, n_new, k):
     if target_cfg.vocab_size != draft_cfg.vocab_size:
         raise ValueError(
@@ -113,13 +124,7 @@ def check_speculative_generate_args(target_cfg, draft_cfg, prompt_shape, lengths
         )
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_draft={k!r} must be an int >= 1")
-    if n_new < 1:
-        raise ValueError(f"max_new_tokens={n_new} must be >= 1")
-    if len(prompt_shape) != 2 or np.shape(lengths) != prompt_shape[:1]:
-        raise ValueError(f"prompts must be [B, P] with lengths [B], got {prompt_shape}")
-    lengths = np.asarray(lengths)
-    if lengths.min() < 1 or lengths.max() > prompt_shape[1]:
-        raise ValueError(f"prompt_lengths {lengths.tolist()} must lie in [1, P={prompt_shape[1]}]")
+    check_prompt_batch(prompt_shape, lengths, n_new)
     s = min(target_cfg.max_seq_len, draft_cfg.max_seq_len)
     need = int(lengths.max()) + n_new + 2 * k
     if max(need, prompt_shape[1]) > s:
@@ -160,20 +165,11 @@ def speculative_generate(
         max_new_tokens,
         num_draft,
     )
-    check_sampling_args(temperature, top_k, top_p, min_p)
+    knobs = sampling_knobs(temperature, top_k, top_p, min_p)
     _check_compression(target_cfg, compression)
     _check_compression(draft_cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
-    knobs = tuple(
-        jnp.asarray(x, dt)
-        for x, dt in (
-            (temperature, jnp.float32),
-            (top_k, jnp.int32),
-            (top_p, jnp.float32),
-            (min_p, jnp.float32),
-        )
-    )
     return _speculative_generate(
         target_params,
         draft_params,
@@ -206,8 +202,7 @@ def _speculative_generate(
 ):
     b, p_width = prompts_BxP.shape
     s = min(target_cfg.max_seq_len, draft_cfg.max_seq_len)
-    probs = functools.partial(sampling_probs, temperature=knobs[0], top_k=knobs[1])
-    probs = functools.partial(probs, top_p=knobs[2], min_p=knobs[3])
+    probs = knob_probs(knobs)
 
     def sample(key, probs_BxV):
         return jax.random.categorical(key, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)

@@ -348,15 +348,19 @@ def audit_verifier(
         raw.append(_validity(case, d, ell, out, acc))
         raw += _position_laws(case, ell, out, acc)
         raw += _acceptance_laws(case, ell, acc)
-    adjusted = [min(1.0, r["p_value"] * len(raw)) for r in raw]  # Bonferroni over all checks
-    checks = zip(adjusted, raw, strict=True)
-    tests = [AuditCheck(p_adjusted=a, passed=a >= alpha, **r) for a, r in checks]
+    meta = dict(vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed)
+    return make_report(raw, alpha, verifier, name, start, **meta)
+
+
+def make_report(raw: list[dict], alpha: float, fn, name: str, start: float, **meta) -> AuditReport:
+    """Verdict over `raw` checks: each passes iff min(1, m p) >= alpha (Bonferroni, m checks)."""
+    m = len(raw)
+    tests = [AuditCheck(p_adjusted=(a := min(1.0, r["p_value"] * m)), passed=a >= alpha, **r)
+             for r in raw]  # fmt: skip
     return AuditReport(
-        passed=all(t.passed for t in tests),
-        p_value=min(t.p_adjusted for t in tests),
-        alpha=alpha, tests=tests, vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed,
-        verifier_name=name or getattr(verifier, "__name__", repr(verifier)),
-        seconds=time.perf_counter() - start,
+        passed=all(t.passed for t in tests), p_value=min(t.p_adjusted for t in tests),
+        alpha=alpha, tests=tests, verifier_name=name or getattr(fn, "__name__", repr(fn)),
+        seconds=time.perf_counter() - start, **meta,
     )  # fmt: skip
 
 

@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41jax.spec.audit import AuditCheck, AuditReport, _check, _position_laws, _validity
+from v41jax.spec.audit import AuditReport, _check, _position_laws, _validity, make_report
 
 Pipeline = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
 
@@ -138,13 +138,5 @@ def audit_pipeline(
         raw.append(_length_range(case, k, ell))
         # an L outside [0, K] already fails; clipped, the strata of (1) stay well defined
         raw += _position_laws(case, np.clip(ell, 0, k), out, acc)
-    adjusted = [min(1.0, r["p_value"] * len(raw)) for r in raw]  # Bonferroni over all checks
-    checks = zip(adjusted, raw, strict=True)
-    tests = [AuditCheck(p_adjusted=a, passed=a >= alpha, **r) for a, r in checks]
-    return AuditReport(
-        passed=all(t.passed for t in tests),
-        p_value=min(t.p_adjusted for t in tests),
-        alpha=alpha, tests=tests, vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed,
-        verifier_name=name or getattr(pipeline, "__name__", repr(pipeline)),
-        seconds=time.perf_counter() - start,
-    )  # fmt: skip
+    meta = dict(vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed)
+    return make_report(raw, alpha, pipeline, name, start, **meta)
