@@ -118,7 +118,13 @@ def _generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed):
     cost = None
     if args.schedule == "scheduled":
         cost = load_or_measure_cost(
-            args.drafter, run.params, run.cfg.model, dcfg.drafter, len(lengths)
+            args.drafter,
+            run.params,
+            run.cfg.model,
+            dparams,
+            dcfg.drafter,
+            len(lengths),
+            compression=run.compression.table,
         )
     out = dspark_generate(
         run.params,

@@ -177,7 +177,9 @@ def evaluate_all(w: dict) -> dict:
         d = drafters.get(name)
         cost = None
         if mode == "scheduled":
-            cost = load_or_measure_cost(w[name], target.params, target.cfg.model, d[0].drafter, b)
+            cost = load_or_measure_cost(
+                w[name], target.params, target.cfg.model, d[1], d[0].drafter, b
+            )
         if mode == "plain":
             secs, log = dec.run(b)
         else:

@@ -14,7 +14,7 @@ from scipy import stats
 from v41jax.config import EngramConfig, ModelConfig
 from v41jax.dspark.config import DrafterConfig
 from v41jax.dspark.drafter import Drafter, frozen_target
-from v41jax.dspark.engine import dspark_generate, measure_verify_cost
+from v41jax.dspark.engine import dspark_generate, measure_round_cost
 from v41jax.dspark.scheduler import CostTable
 from v41jax.model import generate, init_params
 
@@ -179,13 +179,52 @@ def test_engram_target():
 
 def test_measured_cost_table_feeds_the_scheduler():
     tp, dp, frozen, dcfg = models()
-    cost = measure_verify_cost(tp, TARGET, batch_size=2, block_size=3, repeats=1)
+    cost = measure_round_cost(tp, TARGET, dp, dcfg, frozen, batch_size=2, rounds=2, passes=1)
     assert cost.tokens == (4, 6, 8) and all(s > 0 for s in cost.seconds)
     toks, lens = prompts(2)
     out = dspark_generate(
         tp, TARGET, dp, dcfg, frozen, toks, lens, max_new_tokens=6, mode="scheduled", cost=cost
     )
     assert np.asarray(out.tokens).shape == (2, 6)
+    with pytest.raises(ValueError, match="rounds=0"):
+        measure_round_cost(tp, TARGET, dp, dcfg, frozen, batch_size=2, rounds=0)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        measure_round_cost(tp, TARGET, dp, dcfg, frozen, batch_size=2, rounds=40)
+
+
+def test_host_loop_matches_device_loop():
+    """The same rng gives the same sampled tokens and logs from both loops."""
+    tp, dp, frozen, dcfg = models()
+    toks, lens = prompts(3, seed=5)
+    run = functools.partial(
+        dspark_generate, tp, TARGET, dp, dcfg, frozen, toks, lens, max_new_tokens=15,
+        verify_len=2, temperature=1.0, rng=jax.random.key(7),
+    )  # fmt: skip
+    dev, host = run(loop="device"), run(loop="host")
+    for name, a, b in zip(dev._fields, dev, host, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert (np.asarray(dev.accepted)[np.asarray(dev.active)] < 2).any()  # some rejections
+
+
+@pytest.mark.parametrize(
+    "seconds, want",
+    [
+        ((1.0, 4.0, 9.0), 1),  # a longer verify costs far more than it can return: w = 1
+        ((1.0, 1.0, 1.0), 3),  # free: every draft is verified
+    ],
+)
+def test_scheduled_width_follows_the_cost_table(seconds, want):
+    """Each round one width for every active row, the one the cost table makes best."""
+    tp, dp, frozen, dcfg = models()
+    toks, lens = prompts(4, seed=3)
+    cost = CostTable(tokens=(8, 12, 16), seconds=seconds)
+    out = dspark_generate(
+        tp, TARGET, dp, dcfg, frozen, toks, lens, max_new_tokens=10, mode="scheduled",
+        cost=cost, temperature=1.0, rng=jax.random.key(1),
+    )  # fmt: skip
+    act, lens_log = np.asarray(out.active), np.asarray(out.verify_len)
+    assert np.all(lens_log[act] == want)
+    assert np.all(lens_log[~act] == 0)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +232,8 @@ def test_measured_cost_table_feeds_the_scheduler():
     [
         (dict(mode="adaptive"), "mode"),
         (dict(mode="scheduled"), "cost table"),
+        (dict(mode="scheduled", cost=STAIRS, loop="device"), "loop='host'"),
+        (dict(loop="gpu"), "loop"),
         (dict(verify_len=4), "verify_len"),
         (dict(max_new_tokens=60), "max_seq_len"),
         (dict(temperature=-1.0), "temperature"),

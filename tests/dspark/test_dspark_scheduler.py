@@ -167,6 +167,46 @@ def test_cost_table_rejects_bad_dicts():
         CostTable.from_dict({"tokens": [1], "seconds": [1.0], "flops": [3]})
 
 
+@pytest.mark.parametrize("basis", BASES)
+def test_finished_rows_count_for_nothing(basis):
+    """A finished row adds neither its forced token nor its survivals to tau; the jitted
+    scheduler matches the brute force with a mask; an all-true mask is the default."""
+    b, k = 6, 4
+    conf = _confidences(7, b, k)
+    active = np.array([True, False, True, True, False, True])
+    got = schedule_verify_lengths(conf, STAIRS, basis=basis, active_B=active)
+    ref = schedule_reference(conf, STAIRS, basis, active=active)
+    np.testing.assert_array_equal(np.asarray(got.verify_len), ref.verify_len)
+    surv = np.cumprod(conf.astype(np.float64), axis=1) * active[:, None]
+    chosen = np.arange(k)[None, :] < ref.verify_len[:, None]
+    np.testing.assert_allclose(float(got.expected_tokens), active.sum() + surv[chosen].sum(),
+                               rtol=1e-5)  # fmt: skip
+    everyone = schedule_verify_lengths(conf, STAIRS, basis=basis, active_B=np.ones(b, bool))
+    default = schedule_verify_lengths(conf, STAIRS, basis=basis)
+    np.testing.assert_array_equal(np.asarray(everyone.verify_len), np.asarray(default.verify_len))
+
+
+def test_finished_rows_do_not_bias_the_batch_tail_to_short_verifies():
+    """One row left in a batch of 8 with a fixed-cost-dominated step: it should verify as much
+    as a full batch of rows like it would. Counting the 7 finished rows as requests (zeroing
+    only their confidences) drowns its gain in 7 phantom tokens: a shorter verify."""
+    conf = np.full((8, 4), 0.6, np.float32)
+    cost = CostTable((1, 1001), (1.0, 6.0))  # 1 s fixed + 5 ms per token
+    last = np.arange(8) == 0
+    full = schedule_verify_lengths(conf, cost, basis="padded")
+    tail = schedule_verify_lengths(conf, cost, basis="padded", active_B=last)
+    phantom = schedule_verify_lengths(conf * last[:, None], cost, basis="padded")
+    assert int(np.max(full.verify_len)) == int(tail.verify_len[0]) == 4
+    assert int(phantom.verify_len[0]) < 4
+
+
+def test_scheduler_rejects_a_bad_active_mask():
+    with pytest.raises(ValueError, match="active_B must be bool"):
+        schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), STAIRS, active_B=[1, 0])
+    with pytest.raises(ValueError, match=r"\(3,\)"):
+        schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), STAIRS, active_B=np.ones(3, bool))
+
+
 @pytest.mark.parametrize(
     "conf, kwargs, match",
     [

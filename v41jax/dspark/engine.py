@@ -1,24 +1,21 @@
-"""Batched DSpark speculative decoding with per-request verify lengths (REFERENCE.md §3-4).
+"""Batched DSpark speculative decoding with per-round verify widths (REFERENCE.md §3-4).
 
-State per row b: `history[b]` (prompt and emitted tokens by slot), `pos[b]` the slot of the
-pending token (emitted, not yet fed to the target). The target's KV cache holds slots < pos;
-the drafter's context cache holds, per drafter layer, the K/V of the target features of
-slots < pos (`Drafter.context_kv`, written once per accepted position). One round:
+The round (`v41jax.dspark.rounds`): draft K tokens in one drafter pass plus the Markov head,
+choose the verify width w from draft-side information only, verify [pending, d_1 .. d_w] with
+the target, `speculative_sample`. Two loops drive it:
 
-  1. draft: one drafter pass over the block [pending, mask x (K-1)] at slots pos .. pos+K-1,
-     attending to context slots [pos - window, pos); the Markov head then samples
-     d_1 .. d_K sequentially (`markov_draft`), returning q_k, the exact law of d_k;
-  2. lengths: L_b = K ("fixed"), or from the confidences alone ("scheduled",
-     `schedule_verify_lengths` on the measured cost table). Confidences come from the
-     drafter's pass before any draft is sampled, so L never depends on the target or on the
-     sampled drafts, and the output law is unchanged (see `v41jax.spec.pipeline_audit`);
-  3. verify: the target extends [pending, d_1 .. d_w] at slot pos, w = max_b L_b, one of K
-     static widths (`lax.switch`: only the chosen width runs); rows with L_b < w are masked
-     by their verify length, not by shape;
-  4. `speculative_sample(key, d, q, p, L)`: A_b accepted drafts and one more token; the
-     target features of slots pos .. pos+A go into the drafter's context cache; pos += A+1.
-Rollback is free: slots >= pos hold stale entries that no query can see, and the next round
-overwrites them. Greedy (temperature 0) output equals plain greedy decoding token for token.
+- device (mode "fixed", the default loop): the whole generation is one `lax.while_loop` at
+  the static width;
+- host (mode "scheduled", or `loop="host"`): a Python loop over rounds with one compiled
+  verify step per width and the caches donated from step to step. The width is read back
+  (one int per round) and the matching step is dispatched, so each width costs what it
+  costs. (A `lax.switch` over the widths inside the device loop carries the KV caches
+  through the conditional and XLA copies them in and out: ~25% slower per round on CPU.)
+
+The scheduler trades expected tokens against the measured cost of a whole round at each width
+(`measure_round_cost`): the drafter pass, the Markov sampling and the context write are paid
+whatever w is, so a verify-only table would overstate what a longer verify costs.
+Greedy (temperature 0) output equals plain greedy decoding token for token.
 Requirement: max(prompt length) + max_new_tokens + 2K + 1 <= target max_seq_len.
 """
 
@@ -26,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -35,16 +34,24 @@ from flax import linen as nn
 
 from v41jax.config import ModelConfig
 from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import Drafter, FrozenTarget
-from v41jax.dspark.markov import markov_draft
-from v41jax.dspark.scheduler import CostTable, measure_cost_table, schedule_verify_lengths
-from v41jax.model.attention import update_cache
-from v41jax.model.generate import _check_compression, init_cache
-from v41jax.model.sampling import Scalar, knob_probs, sampling_knobs
-from v41jax.model.speculative import _write, check_prompt_batch, extend_output
-from v41jax.spec import speculative_sample
+from v41jax.dspark.drafter import FrozenTarget, frozen_target
+from v41jax.dspark.rounds import (
+    Ctx,
+    Draft,
+    State,
+    Static,
+    any_active,
+    draft_step,
+    prefill,
+    verify_step,
+)
+from v41jax.dspark.scheduler import CostTable
+from v41jax.model.generate import _check_compression
+from v41jax.model.sampling import Scalar, sampling_knobs
+from v41jax.model.speculative import check_prompt_batch
 
 MODES = ("fixed", "scheduled")
+LOOPS = ("auto", "device", "host")
 
 
 class DSparkOutput(NamedTuple):
@@ -68,10 +75,17 @@ def check_dspark_args(
     n_new: int,
     mode: str,
     verify_len: int | None,
+    loop: str = "auto",
 ) -> None:
     k = drafter.block_size
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} not in {MODES}")
+    if loop not in LOOPS:
+        raise ValueError(f"loop={loop!r} not in {LOOPS}")
+    if mode == "scheduled" and loop == "device":
+        raise ValueError(
+            "loop='device' runs one static verify width; mode='scheduled' needs loop='host'"
+        )
     if verify_len is not None and not 1 <= verify_len <= k:
         raise ValueError(f"verify_len={verify_len} must be in [1, block_size={k}]")
     check_prompt_batch(prompt_shape, lengths, n_new)
@@ -103,238 +117,188 @@ def dspark_generate(
     min_p: Scalar = 0.0,
     rng: jax.Array | None = None,
     compression: Any = None,
+    loop: str = "auto",
 ) -> DSparkOutput:
     """Continue each right-padded prompt by `max_new_tokens` tokens with DSpark drafts.
 
     mode "fixed" verifies `verify_len` (default K) drafts per row per round; "scheduled"
-    chooses per-row lengths from the confidences and `cost` (required). The output is
-    distributed exactly as `generate(target_params, ...)` with the same sampling settings.
+    chooses each round's width from the confidences and `cost` (required; a round-cost table
+    from `measure_round_cost`). loop "auto" is "device" for fixed, "host" for scheduled; both
+    loops give the same tokens for the same rng. The output is distributed exactly as
+    `generate(target_params, ...)` with the same sampling settings.
     """
+    shape = tuple(np.shape(prompt_tokens_BxP))
     check_dspark_args(
-        target_cfg,
-        drafter,
-        tuple(np.shape(prompt_tokens_BxP)),
-        prompt_lengths_B,
-        max_new_tokens,
-        mode,
-        verify_len,
+        target_cfg, drafter, shape, prompt_lengths_B, max_new_tokens, mode, verify_len, loop
     )
     if mode == "scheduled" and cost is None:
-        raise ValueError("mode='scheduled' needs the target's verify cost table (cost=...)")
+        raise ValueError("mode='scheduled' needs the engine's round cost table (cost=...)")
+    if cost is not None and not isinstance(cost, CostTable):
+        raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
     knobs = sampling_knobs(temperature, top_k, top_p, min_p)
     _check_compression(target_cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
-    drafter_params, target_params = nn.unbox(drafter_params), nn.unbox(target_params)
-    return _dspark_generate(
-        target_params,
-        drafter_params,
+    lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
+    c = Ctx(
+        nn.unbox(target_params),
+        nn.unbox(drafter_params),
         frozen,
-        jnp.asarray(prompt_tokens_BxP, jnp.int32),
-        jnp.asarray(prompt_lengths_B, jnp.int32),
-        jax.random.key(0) if rng is None else rng,
         knobs,
         compression,
-        target_cfg=target_cfg,
-        drafter=drafter,
-        max_new_tokens=max_new_tokens,
-        mode=mode,
-        fixed_len=verify_len or drafter.block_size,
-        cost=cost,
+        lengths + max_new_tokens,
     )
-
-
-def _context_write(module, drafter_params, ctx, feats_BxTxF, start_B):
-    """Write the drafter-layer K/V of target features at slots start .. start+T-1."""
-    t = feats_BxTxF.shape[1]
-    slots = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)
-    new = module.apply({"params": drafter_params}, feats_BxTxF, slots, method=module.context_kv)
-    return [
-        {name: update_cache(c[name], n[name], start_B) for name in ("k", "v")}
-        for c, n in zip(ctx, new, strict=True)
-    ]
-
-
-@functools.partial(
-    jax.jit,
-    static_argnames=("target_cfg", "drafter", "max_new_tokens", "mode", "fixed_len", "cost"),
-)
-def _dspark_generate(
-    target_params,
-    drafter_params,
-    frozen,
-    prompts_BxP,
-    lengths_B,
-    rng,
-    knobs,
-    compression,
-    *,
-    target_cfg,
-    drafter,
-    max_new_tokens,
-    mode,
-    fixed_len,
-    cost,
-):
-    b, p_width = prompts_BxP.shape
-    k, s = drafter.block_size, target_cfg.max_seq_len
-    layer_ids = drafter.layer_ids_for(target_cfg.num_layers)
-    module = Drafter(drafter, target_cfg)
-    markov = drafter_params.get("markov") if drafter.uses_markov else None
-    probs = knob_probs(knobs)
-    feats = lambda out: jnp.concatenate([out.hidden[i] for i in layer_ids], axis=-1)
-
-    # Prefill: the prompt through the target (its features fill the drafter's context cache).
-    history = jnp.zeros((b, s), jnp.int32).at[:, :p_width].set(prompts_BxP)
-    zeros_B = jnp.zeros((b,), jnp.int32)
-    out = extend_output(
-        target_params,
+    st = Static(
         target_cfg,
-        init_cache(target_cfg, b),
-        history,
-        zeros_B,
-        p_width,
-        compression,
-        layer_ids,
+        drafter,
+        max_new_tokens,
+        mode,
+        verify_len or drafter.block_size,
+        cost if mode == "scheduled" else None,
     )
-    f = len(layer_ids) * target_cfg.d_model
-    g, hd = drafter.num_heads, target_cfg.d_model // drafter.num_heads
-    ctx = [
-        {n: jnp.zeros((b, s, g, hd), jnp.dtype(target_cfg.compute_dtype)) for n in ("k", "v")}
-        for _ in range(drafter.num_layers)
-    ]
-    ctx = _context_write(module, drafter_params, ctx, feats(out), zeros_B)
-    rng, key = jax.random.split(rng)
-    last = jnp.take_along_axis(out.logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    first = jax.random.categorical(key, jnp.log(probs(last.astype(jnp.float32))), axis=-1)
-    history = _write(history, lengths_B, first.astype(jnp.int32)[:, None], lengths_B[:, None] >= 0)
-    end_B = lengths_B + max_new_tokens  # a row is done once pos + 1 >= end
-    win = min(drafter.window, s)
+    prompts = jnp.asarray(prompt_tokens_BxP, jnp.int32)
+    rng = jax.random.key(0) if rng is None else rng
+    if loop == "host" or (loop == "auto" and mode == "scheduled"):
+        return _host_generate(c, prompts, lengths, rng, st)
+    return _device_generate(c, prompts, lengths, rng, st)
 
-    def verify_branch(width):
-        def run(t_kv, hist, pos):
-            o = extend_output(
-                target_params, target_cfg, t_kv, hist, pos, width + 1, compression, layer_ids
-            )
-            pad = k + 1 - (width + 1)
-            logits = jnp.concatenate([o.logits] + [o.logits[:, -1:]] * pad, axis=1)
-            fe = feats(o)
-            fe = jnp.concatenate([fe, jnp.zeros((b, pad, f), fe.dtype)], axis=1)
-            return logits.astype(jnp.float32), fe, o.cache
 
-        return run
-
-    def one_round(carry):
-        r, rng, t_kv, ctx, history, pos, logs = carry
-        rng, k_draft, k_verify = jax.random.split(rng, 3)
-        active = pos + 1 < end_B
-        pending = jnp.take_along_axis(history, pos[:, None], axis=1)
-        # Only the window [pos - W, pos) is visible: attend to a W-slot slice, not all S slots.
-        start = jnp.clip(pos - win, 0, s - win)
-        window = lambda x: jax.vmap(lambda r, i: jax.lax.dynamic_slice_in_dim(r, i, win))(x, start)
-        d_out = module.apply(
-            {"params": drafter_params},
-            frozen,
-            [{n: window(c[n]) for n in ("k", "v")} for c in ctx],
-            start[:, None] + jnp.arange(win, dtype=jnp.int32),
-            jnp.ones((b, win), bool),
-            pending,
-            pos[:, None],
-            method=module.draft,
-        )
-        drafts, q = markov_draft(k_draft, d_out.base_logits[:, 0], pending[:, 0], markov, probs)
-        conf = jax.nn.sigmoid(d_out.confidence_logits[:, 0])
-        if mode == "scheduled":
-            lens = schedule_verify_lengths(conf, cost, basis="padded").verify_len
-        else:
-            lens = jnp.full((b,), fixed_len, jnp.int32)
-        lens = jnp.where(active, lens, 0).astype(jnp.int32)
-        hist_d = _write(history, pos + 1, drafts, active[:, None])
-        width = jnp.clip(jnp.max(lens), 1, k)
-        if mode == "scheduled":
-            branches = [verify_branch(w) for w in range(1, k + 1)]
-            logits, fe, t_kv = jax.lax.switch(width - 1, branches, t_kv, hist_d, pos)
-        else:
-            logits, fe, t_kv = verify_branch(fixed_len)(t_kv, hist_d, pos)
-        emitted, acc = speculative_sample(k_verify, drafts, q, probs(logits), lens)
-        history = _write(history, pos + 1, emitted, active[:, None] & (emitted >= 0))
-        ctx = _context_write(module, drafter_params, ctx, fe, pos)
-        pos = jnp.where(active, pos + acc + 1, pos)
-        c_log, l_log, a_log, act_log = logs
-        logs = (
-            c_log.at[r].set(conf),
-            l_log.at[r].set(lens),
-            a_log.at[r].set(acc),
-            act_log.at[r].set(active),
-        )
-        return r + 1, rng, t_kv, ctx, history, pos, logs
-
-    n = max_new_tokens
-    logs = (
-        jnp.zeros((n, b, k), jnp.float32),
-        jnp.zeros((n, b), jnp.int32),
-        jnp.zeros((n, b), jnp.int32),
-        jnp.zeros((n, b), bool),
-    )
-    carry = (jnp.int32(0), rng, out.cache, ctx, history, lengths_B, logs)
-    carry = jax.lax.while_loop(lambda c: jnp.any(c[5] + 1 < end_B), one_round, carry)
-    _, _, _, _, history, _, (c_log, l_log, a_log, act_log) = carry
-    idx = lengths_B[:, None] + jnp.arange(max_new_tokens)
+def _finish(lengths_B, state: State, st: Static) -> DSparkOutput:
+    c_log, l_log, a_log, act_log = state.logs
+    idx = lengths_B[:, None] + jnp.arange(st.max_new_tokens)
+    tokens = jnp.take_along_axis(state.history, idx, axis=1)
     rounds = act_log.sum(0).astype(jnp.int32)
-    return DSparkOutput(
-        jnp.take_along_axis(history, idx, axis=1), rounds, c_log, l_log, a_log, act_log
-    )
+    return DSparkOutput(tokens, rounds, c_log, l_log, a_log, act_log)
 
 
-def measure_verify_cost(
+@functools.partial(jax.jit, static_argnames=("st",))
+def _device_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkOutput:
+    def one_round(state):
+        return verify_step(c, state, draft_step(c, state, st), st, st.fixed_len)
+
+    state = prefill(c, prompts_BxP, lengths_B, rng, st)
+    state = jax.lax.while_loop(lambda s: any_active(c, s), one_round, state)
+    return _finish(lengths_B, state, st)
+
+
+_finish_jit = jax.jit(_finish, static_argnames=("st",))
+
+
+def _with_flags(c: Ctx, state: State, st: Static):
+    """The round's draft side and [width, any row active]: the two ints the host reads."""
+    d = draft_step(c, state, st)
+    return state, d, jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _host_start(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
+    return _with_flags(c, prefill(c, prompts_BxP, lengths_B, rng, st), st)
+
+
+# One program per round and width: this round's verify, then the next round's draft (one
+# launch per round). The state (both KV caches, history, logs) is donated: updated in place.
+@functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
+def _host_step(c: Ctx, state: State, d: Draft, st: Static, width: int):
+    return _with_flags(c, verify_step(c, state, d, st, width), st)
+
+
+def _host_rounds(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
+    """Yield (state, draft, width) before each round's verify, then the final state alone.
+    The draft after the last round is computed and discarded (one drafter pass). A yielded
+    state is donated by the next step: do not keep it."""
+    state, d, flags = _host_start(c, prompts_BxP, lengths_B, rng, st)
+    while True:
+        width, more = (int(x) for x in jax.device_get(flags))
+        if not more:
+            yield state
+            return
+        yield state, d, width
+        state, d, flags = _host_step(c, state, d, st, width)
+
+
+def _host_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkOutput:
+    *_, final = _host_rounds(c, prompts_BxP, lengths_B, rng, st)
+    return _finish_jit(lengths_B, final, st)
+
+
+def measure_round_cost(
     target_params,
     target_cfg: ModelConfig,
+    drafter_params,
+    drafter: DrafterConfig,
+    frozen: FrozenTarget,
     batch_size: int,
-    block_size: int,
-    repeats: int = 5,
-    steps: int = 8,
+    *,
+    rounds: int = 8,
+    passes: int = 3,
+    temperature: float = 1.0,
+    compression: Any = None,
 ) -> CostTable:
-    """The target's verify-step cost: seconds of one cached forward of w tokens per row for
-    w = 2 .. K + 1 (the pending token and 1 .. K drafts), B rows; tokens = B * w.
-
-    Timed as `steps` forwards in a `lax.scan` that carries the KV cache, as decoding does (the
-    cache is updated in place); a standalone call would also copy the whole cache in and out,
-    a fixed cost that flattens the curve the scheduler trades against.
-    """
-    b, s = batch_size, target_cfg.max_seq_len
-    kv = init_cache(target_cfg, b)
-    history = jnp.zeros((b, s), jnp.int32)
-    start = s // 4  # mid-sequence, as in decoding
-    steps = max(1, min(steps, (s - start) // (block_size + 1)))  # every write stays inside S
-
-    def step_for_width(w):
-        @jax.jit
-        def run(kv):
-            def body(kv, i):
-                pos = jnp.full((b,), start, jnp.int32) + i * w
-                out = extend_output(target_params, target_cfg, kv, history, pos, w)
-                return out.cache, out.logits[:, -1, 0]
-
-            return jax.lax.scan(body, kv, jnp.arange(steps))[1]
-
-        return lambda: run(kv)
-
-    table = measure_cost_table(step_for_width, range(2, block_size + 2), b, repeats=repeats)
-    return CostTable(table.tokens, tuple(t / steps for t in table.seconds))
+    """Seconds of one decode round of the host loop at each verify width w = 1 .. K, B rows:
+    the drafter pass, Markov sampling, the target's verify of w + 1 tokens per row, the
+    acceptance rule and the context write, as generation runs them. Per pass and width: a
+    fresh prefill, one untimed round (compilation), then `rounds` rounds timed one by one
+    (all rows active throughout); the cost is the min over passes of the median. Returns
+    CostTable(tokens = B (1 + w), seconds), the table `schedule_verify_lengths(basis="padded")`
+    reads."""
+    for name, val in (("batch_size", batch_size), ("rounds", rounds), ("passes", passes)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name}={val!r} must be an int >= 1")
+    k, s = drafter.block_size, target_cfg.max_seq_len
+    # every row must stay active: each round emits <= K + 1 tokens per row
+    n_new = (rounds + 1) * (k + 1) + 1
+    if 1 + n_new + 2 * k + 1 > s:
+        raise ValueError(
+            f"rounds={rounds}: 1 + {n_new} new tokens + 2K + 1 exceeds max_seq_len {s}"
+        )
+    b = batch_size
+    lengths = jnp.ones((b,), jnp.int32)
+    knobs = sampling_knobs(temperature, 0, 1.0, 0.0)
+    if compression is not None:
+        compression = jnp.asarray(compression, jnp.int32)
+    c = Ctx(nn.unbox(target_params), nn.unbox(drafter_params), frozen, knobs, compression,
+            lengths + n_new)  # fmt: skip
+    medians: dict[int, list[float]] = {w: [] for w in range(1, k + 1)}
+    for p in range(passes):
+        for w in list(medians)[:: 1 if p % 2 == 0 else -1]:  # alternate the order: drift
+            st = Static(target_cfg, drafter, n_new, "fixed", w, None)
+            prompts = jnp.zeros((b, 1), jnp.int32)
+            state, d, _ = _host_start(c, prompts, lengths, jax.random.key(p), st)
+            state, d, flags = _host_step(c, state, d, st, w)  # compile, warm
+            jax.device_get(flags)
+            times = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                state, d, flags = _host_step(c, state, d, st, w)
+                jax.device_get(flags)  # the loop's one sync per round
+                times.append(time.perf_counter() - start)
+            medians[w].append(statistics.median(times))
+    tick = time.get_clock_info("perf_counter").resolution
+    # min over passes of the per-pass median: a pass hit by a transient load does not count
+    return CostTable(
+        tuple(b * (1 + w) for w in medians),
+        tuple(max(min(m), tick) for m in medians.values()),
+    )
 
 
 def load_or_measure_cost(
     drafter_workdir: str,
     target_params,
     target_cfg: ModelConfig,
+    drafter_params,
     drafter: DrafterConfig,
     batch_size: int,
+    compression: Any = None,
 ) -> CostTable:
-    """The cost table saved with the drafter run for this batch size, measured on first use
-    (`cost_table_b{B}.json`; delete it to re-measure on another machine)."""
-    path = os.path.join(drafter_workdir, f"cost_table_b{batch_size}.json")
+    """The round-cost table saved with the drafter run for this batch size, measured on first
+    use (`round_cost_b{B}.json`; delete it to re-measure on another machine)."""
+    path = os.path.join(drafter_workdir, f"round_cost_b{batch_size}.json")
     if os.path.exists(path):
         return CostTable.load(path)
-    cost = measure_verify_cost(target_params, target_cfg, batch_size, drafter.block_size)
+    frozen = frozen_target(target_params, target_cfg)
+    cost = measure_round_cost(
+        target_params, target_cfg, drafter_params, drafter, frozen, batch_size,
+        compression=compression,
+    )  # fmt: skip
     cost.save(path)
     return cost

@@ -13,7 +13,8 @@ first draft (L_b >= 1, so B slots are forced), the other n - B slots go to the l
 survivals among positions j >= 2, ties broken by smaller position, then smaller row. Because
 s is non-increasing in j and ties prefer the smaller position, each request gets a prefix.
 
-    tau(n)        = B + sum of the survivals of the n chosen slots   (expected tokens)
+    tau(n)        = B_active + sum of the survivals of the n chosen slots (expected tokens;
+                                             finished rows emit nothing and have s = 0)
     tokens(n)     = B + n                    basis "total":  a ragged engine verifies each
                                              request's pending token plus its drafts
                   = B * (1 + max_b L_b(n))   basis "padded": every request padded to the
@@ -222,27 +223,51 @@ def _slot_costs(cost: CostTable, b: int, k: int, basis: str) -> np.ndarray:
 
 
 def schedule_verify_lengths(
-    confidence_BxK: jax.Array, cost: CostTable, *, basis: str = "total", min_gain: float = 0.01
+    confidence_BxK: jax.Array,
+    cost: CostTable,
+    *,
+    basis: str = "total",
+    min_gain: float = 0.01,
+    active_B: jax.Array | None = None,
 ) -> Schedule:
     """Verify lengths L [B] from confidences c [B, K] in [0, 1] (see the module docstring).
+
+    `active_B` (bool [B], default all): rows still generating. A finished row emits nothing,
+    so it counts neither in "the number of requests" nor with its survivals (late in a batch,
+    when few rows are left, this is what makes longer verifies pay); it still occupies its
+    slot of the padded batch (the cost's token count is unchanged).
 
     Pure jnp with static shapes (the cost table is baked in as constants): jit-able with the
     confidences traced (jit/vmap it with cost, basis, min_gain closed over); values are
     checked only when concrete.
     """
-    _check_args(confidence_BxK, cost, basis, min_gain)
-    return _schedule(jnp.asarray(confidence_BxK, jnp.float32), cost, basis, float(min_gain))
+    b, _ = _check_args(confidence_BxK, cost, basis, min_gain)
+    active_B = _check_active(active_B, b)
+    conf = jnp.asarray(confidence_BxK, jnp.float32)
+    return _schedule(conf, jnp.asarray(active_B, bool), cost, basis, float(min_gain))
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _schedule(conf_BxK, cost: CostTable, basis: str, min_gain: float) -> Schedule:
+def _check_active(active_B, b: int):
+    if active_B is None:
+        return np.ones((b,), bool)
+    if np.shape(active_B) != (b,) or jnp.asarray(active_B).dtype != jnp.bool_:
+        raise ValueError(
+            f"active_B must be bool [{b}], got {jnp.asarray(active_B).dtype} {np.shape(active_B)}"
+        )
+    return active_B
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _schedule(conf_BxK, active_B, cost: CostTable, basis: str, min_gain: float) -> Schedule:
     b, k = conf_BxK.shape
+    conf_BxK = jnp.where(active_B[:, None], conf_BxK, 0.0)
+    n_req = jnp.sum(active_B).astype(jnp.float32)  # requests that will emit a token
     m_free = b * (k - 1)  # slots at positions j >= 2, handed out by survival
     surv_BxK = jnp.cumprod(conf_BxK, axis=1)
     forced = jnp.sum(surv_BxK[:, 0])
     secs = jnp.asarray(_slot_costs(cost, b, k, basis), jnp.float32)
     if m_free == 0:  # K = 1: every request verifies its single draft
-        tau = b + forced
+        tau = n_req + forced
         thr = tau / secs[0]
         n = jnp.int32(b)
         return Schedule(jnp.ones((b,), jnp.int32), n, tau, thr, thr)
@@ -251,7 +276,7 @@ def _schedule(conf_BxK, cost: CostTable, basis: str, min_gain: float) -> Schedul
     free_M = surv_BxK[:, 1:].T.reshape(-1)
     flat_M = jnp.arange(m_free, dtype=jnp.int32)
     neg_sorted, order_M = lax.sort((-free_M, flat_M), num_keys=2)
-    tau_n = b + forced + jnp.concatenate([jnp.zeros(1), jnp.cumsum(-neg_sorted)])  # [M + 1]
+    tau_n = n_req + forced + jnp.concatenate([jnp.zeros(1), jnp.cumsum(-neg_sorted)])  # [M+1]
     if basis == "total":
         cost_n = secs
     else:  # max L after m free slots = max(1, largest position among the first m in order)
@@ -269,18 +294,19 @@ def _schedule(conf_BxK, cost: CostTable, basis: str, min_gain: float) -> Schedul
 
 
 def schedule_reference(
-    confidence, cost: CostTable, basis: str = "total", min_gain: float = 0.01
+    confidence, cost: CostTable, basis: str = "total", min_gain: float = 0.01, active=None
 ) -> Schedule:
     """Brute force in float64 numpy over every budget n = B .. B K (for tests); returns a
     Schedule of numpy values."""
     b, k = _check_args(confidence, cost, basis, min_gain)
-    surv = np.cumprod(np.asarray(confidence, np.float64), axis=1)
+    act = np.asarray(_check_active(active, b), bool)
+    surv = np.cumprod(np.asarray(confidence, np.float64), axis=1) * act[:, None]
     free = sorted((-surv[r, j], j, r) for r in range(b) for j in range(1, k))
     best = None  # (throughput, n, lengths, tau)
     results = []
     for n in range(b, b * k + 1):
         lengths = np.ones(b, np.int64)
-        tau = b + surv[:, 0].sum()
+        tau = act.sum() + surv[:, 0].sum()
         for neg_s, _, r in free[: n - b]:
             lengths[r] += 1
             tau -= neg_s
