@@ -44,6 +44,12 @@ NEW_TOKENS = 64
 BATCHES = (1, 8, 32)
 TEMPERATURE = 1.0
 TIMING_REPEATS = 2
+# Acceptance-only study at batch max(BATCHES): every drafter of DRAFTERS at each temperature
+# (0 = greedy: drafts are the argmax of q and the verifier's q is one-hot).
+TEMPERATURES = (0.0, 0.5, 1.0)
+# The scheduler vs each fixed length at batch max(BATCHES): SCHED_REPEATS interleaved passes
+# (every configuration once per pass), medians compared (the machine's speed drifts).
+SCHED_REPEATS = 5
 SEED = 0
 
 
@@ -76,5 +82,7 @@ QUICK = dict(
     NEW_TOKENS=8,
     BATCHES=(1, 4),
     TIMING_REPEATS=1,
+    TEMPERATURES=(0.0, 1.0),
+    SCHED_REPEATS=2,
     DRAFTERS=dict(DRAFTERS),
 )

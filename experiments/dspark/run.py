@@ -7,9 +7,11 @@
    on the frozen target, and the main drafter realigned to the post-trained target.
 2. Evaluate on held-out prompts, sampling at config.TEMPERATURE (the exact acceptance rule):
    per-position acceptance and tokens per round of every drafter (fixed length K) with the
-   throughput model's prediction, confidence calibration, DSpark's fixed lengths 1..K vs the
-   confidence scheduler, wall-clock tokens/s of plain decoding and of each drafter at
-   config.BATCHES, and acceptance on the post-trained target before / after realignment.
+   throughput model's prediction, confidence calibration, wall-clock tokens/s of plain
+   decoding and of each drafter at config.BATCHES, acceptance on the post-trained target
+   before / after realignment, DSpark's fixed lengths 1..K vs the confidence scheduler
+   (interleaved repeats at the largest batch), and tokens per round of every drafter at each
+   of config.TEMPERATURES.
 Writes results/summary.json, results/tables.md and PNGs (acceptance, reliability, throughput).
 """
 
@@ -106,11 +108,22 @@ class Decoder:
             p = self.prompts[i : i + batch]
             yield p, np.full((len(p),), p.shape[1], np.int32)
 
-    def run(self, batch, drafter=None, mode="fixed", verify_len=None, cost=None, repeats=None):
+    def run(
+        self,
+        batch,
+        drafter=None,
+        mode="fixed",
+        verify_len=None,
+        cost=None,
+        repeats=None,
+        temperature=None,
+        compile_first=True,
+    ):
         """(fastest wall seconds of a whole pass over `repeats` passes, the merged log of the
         last pass or None); compiled before timing. Every pass uses the same key."""
         t, logs, key = self.target, [], jax.random.key(C.SEED)
-        common = dict(max_new_tokens=C.NEW_TOKENS, temperature=C.TEMPERATURE, rng=key)
+        temp = C.TEMPERATURE if temperature is None else temperature
+        common = dict(max_new_tokens=C.NEW_TOKENS, temperature=temp, rng=key)
 
         def call(p, lens):
             if drafter is None:
@@ -129,7 +142,8 @@ class Decoder:
                 **common,
             )
 
-        jax.block_until_ready(call(*next(self._chunks(batch))))  # compile
+        if compile_first:
+            jax.block_until_ready(call(*next(self._chunks(batch))))
         best = float("inf")
         for _ in range(repeats or C.TIMING_REPEATS):
             start, logs = time.perf_counter(), []
@@ -171,15 +185,12 @@ def evaluate_all(w: dict) -> dict:
     jobs = [(b, None, "plain", None) for b in C.BATCHES]
     jobs += [(b, n, "fixed", None) for b in C.BATCHES for n in C.DRAFTERS]
     jobs += [(b, C.MAIN, "scheduled", None) for b in C.BATCHES]
-    jobs += [(big, C.MAIN, "fixed", L) for L in range(1, main_k)]
     jobs += [(big, n, "fixed", None) for n in C.ABLATIONS]
     for b, name, mode, length in tqdm(jobs, desc="decode"):
         d = drafters.get(name)
         cost = None
         if mode == "scheduled":
-            cost = load_or_measure_cost(
-                w[name], target.params, target.cfg.model, d[1], d[0].drafter, b
-            )
+            cost = load_cost(w[name], target, d, b)
         if mode == "plain":
             secs, log = dec.run(b)
         else:
@@ -206,7 +217,61 @@ def evaluate_all(w: dict) -> dict:
     for label, d in (("before", drafters[C.MAIN]), ("after", load_drafter(w["realigned"]))):
         _, log = post_dec.run(big, d, repeats=1)
         realign[label] = drafter_stats(log, main_k)
-    return {"rows": rows, "stats": stats, "realignment": realign}
+    main = drafters[C.MAIN]
+    sched = scheduler_study(dec, main, load_cost(w[C.MAIN], target, main, big), big)
+    temps = temperature_study(dec, drafters, big)
+    return {
+        "rows": rows,
+        "stats": stats,
+        "realignment": realign,
+        "scheduler_study": sched,
+        "temperature_study": temps,
+    }
+
+
+def load_cost(workdir, target, d, batch):
+    """The main drafter's round-cost table at this batch size (measured once, then reused)."""
+    return load_or_measure_cost(workdir, target.params, target.cfg.model, d[1], d[0].drafter, batch)
+
+
+def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
+    """The scheduler vs every fixed length at one batch size, SCHED_REPEATS interleaved passes
+    (each configuration once per pass, all compiled first). Per configuration: tokens/s of
+    every pass and their median; tokens per round and mean verify length."""
+    k = drafter[0].drafter.block_size
+    configs = {f"fixed L={L}": dict(mode="fixed", verify_len=L) for L in range(1, k + 1)}
+    configs["scheduled"] = dict(mode="scheduled", cost=cost)
+    out = {n: {"tokens_per_s": []} for n in configs}
+    for name, kw in configs.items():  # compile, and the round statistics
+        _, log = dec.run(batch, drafter, repeats=1, **kw)
+        out[name]["tokens_per_round"] = A.tokens_per_round(log["accepted"], log["active"])
+        out[name]["mean_verify_len"] = float(log["verify_len"][log["active"]].mean())
+    total = C.NUM_PROMPTS * C.NEW_TOKENS
+    for _ in tqdm(range(C.SCHED_REPEATS), desc="scheduler vs fixed"):
+        for name, kw in configs.items():
+            secs, _ = dec.run(batch, drafter, repeats=1, compile_first=False, **kw)
+            out[name]["tokens_per_s"].append(total / secs)
+    for v in out.values():
+        v["median_tokens_per_s"] = float(np.median(v["tokens_per_s"]))
+    return {"batch": batch, "cost_table": cost.to_dict(), "configs": out}
+
+
+def temperature_study(dec: Decoder, drafters: dict, batch: int) -> dict:
+    """Acceptance and tokens per round of every drafter of DRAFTERS (fixed K) at batch
+    `batch` for each of TEMPERATURES (one pass over all prompts, no timing)."""
+    out = {}
+    for temp in C.TEMPERATURES:
+        for name in C.DRAFTERS:
+            d = drafters[name]
+            _, log = dec.run(batch, d, repeats=1, temperature=temp, compile_first=False)
+            alpha, _ = A.acceptance_per_position(
+                log["verify_len"], log["accepted"], log["active"], d[0].drafter.block_size
+            )
+            out.setdefault(str(temp), {})[name] = {
+                "acceptance": [None if np.isnan(a) else float(a) for a in alpha],
+                "tokens_per_round": A.tokens_per_round(log["accepted"], log["active"]),
+            }
+    return out
 
 
 def main() -> int:

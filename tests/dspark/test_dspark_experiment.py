@@ -1,6 +1,7 @@
 """The DSpark experiment end to end in miniature (slow: trains a tiny target, its post-trained
 stand-in and three drafters, then decodes): every decoder at every batch size is timed, the
-drafters' statistics, the realignment study and the four target checks are reported."""
+drafters' statistics, the realignment, scheduler and temperature studies and the four
+target checks are reported."""
 
 import json
 import os
@@ -37,9 +38,17 @@ def test_dspark_experiment_miniature(tmp_path):
         assert stats["tokens_per_round"] >= 1 and 0 <= stats["calibration"]["ece"] <= 1
     assert len(summary["stats"]["mtp1 fixed"]["acceptance"]) == 1
     assert set(summary["realignment"]) == {"before", "after"}
+    study = summary["scheduler_study"]["configs"]
+    assert set(study) == {"fixed L=1", "fixed L=2", "fixed L=3", "fixed L=4", "fixed L=5",
+                          "scheduled"}  # fmt: skip
+    assert all(len(v["tokens_per_s"]) == 2 for v in study.values())
+    assert set(summary["temperature_study"]) == {"0.0", "1.0"}
+    assert set(summary["temperature_study"]["0.0"]) == {"mtp1", "parallel", "dspark"}
     tables = (out / "tables.md").read_text()
     assert (
         "The issue's targets" in tables
+        and "Scheduler vs fixed verify length" in tables
+        and "Tokens per round by temperature" in tables
         and tables.count("| True |") + tables.count("| False |") == 4
     )
     for png in ("acceptance.png", "reliability.png", "throughput.png"):
