@@ -32,9 +32,19 @@ DRAFTERS = {
 }
 # Block size 7 (the public checkpoints' choice) as one more drafter: add it to DRAFTERS, e.g.
 # DRAFTERS["dspark_k7"] = ["drafter.block_size=7"] (not in the default run: CPU time).
-# Trained like DRAFTERS, evaluated for acceptance only (batch max(BATCHES), fixed K): the
-# training-target choice, corpus tokens instead of the target's distributions.
-ABLATIONS = {"dspark_tokens": ["train.targets=tokens"]}
+# DRAFTERS train on the target's own samples (SELF_TEXT); ABLATIONS on the target's corpus,
+# evaluated for acceptance only (batch max(BATCHES), fixed K): the training-data choice
+# (`*_corpus`) and the training-target choice (`dspark_tokens`: one-hot corpus tokens
+# instead of the target's distributions).
+ABLATIONS = {
+    "dspark_corpus": [],
+    "mtp1_corpus": DRAFTERS["mtp1"],
+    "parallel_corpus": DRAFTERS["parallel"],
+    "dspark_tokens": ["train.targets=tokens"],
+}
+# The target's own text (`v41jax.dspark.self_text.write_target_samples`): continuations of
+# 16-token windows of its training text at temperature 1, ~490k new tokens.
+SELF_TEXT = dict(num_samples=2048, prompt_len=16, new_tokens=240, temperature=1.0, batch_size=64)
 DRAFTER_COMMON = ["train.eval_every=0", "train.log_every=25"]
 MAIN = "dspark"  # the drafter of the scheduler, fixed-length sweep and realignment studies
 
@@ -83,6 +93,8 @@ QUICK = dict(
     BATCHES=(1, 4),
     TIMING_REPEATS=1,
     TEMPERATURES=(0.0, 1.0),
+    SELF_TEXT=dict(num_samples=24, prompt_len=8, new_tokens=40, temperature=1.0, batch_size=24),
     SCHED_REPEATS=2,
     DRAFTERS=dict(DRAFTERS),
+    ABLATIONS={"dspark_corpus": []},
 )

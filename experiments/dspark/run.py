@@ -3,8 +3,10 @@
     python experiments/dspark/run.py [--runs-dir runs/dspark] [--stage all|train|eval] [--quick]
 
 1. Train (resumable; finished runs are skipped): the target on the early speeches, its
-   post-training stand-in (continued on the late speeches), the drafters of config.DRAFTERS
-   on the frozen target, and the main drafter realigned to the post-trained target.
+   post-training stand-in (continued on the late speeches), 2048 samples of the target
+   (`runs/dspark/texts/target_samples`), the drafters of config.DRAFTERS on those samples
+   and those of config.ABLATIONS on the corpus (all with the frozen target's distributions),
+   and the main drafter realigned to the post-trained target.
 2. Evaluate on held-out prompts, sampling at config.TEMPERATURE (the exact acceptance rule):
    per-position acceptance and tokens per round of every drafter (fixed length K) with the
    throughput model's prediction, confidence calibration, wall-clock tokens/s of plain
@@ -40,6 +42,7 @@ from v41jax.dspark import analysis as A  # noqa: E402
 from v41jax.dspark.config import DrafterRunConfig  # noqa: E402
 from v41jax.dspark.drafter import frozen_target  # noqa: E402
 from v41jax.dspark.engine import dspark_generate, load_or_measure_cost  # noqa: E402
+from v41jax.dspark.self_text import write_target_samples  # noqa: E402
 from v41jax.dspark.train import load_drafter, train_drafter  # noqa: E402
 from v41jax.model import generate  # noqa: E402
 from v41jax.train import load_run, train  # noqa: E402
@@ -61,8 +64,10 @@ def split_texts(runs_dir: str) -> tuple[str, str]:
     return early, late
 
 
-def _drafter_cfg(name: str, steps: int) -> DrafterRunConfig:
+def _drafter_cfg(name: str, steps: int, data_dir: str | None = None) -> DrafterRunConfig:
     sets = C.DRAFTER_COMMON + {**C.DRAFTERS, **C.ABLATIONS}[name] + [f"train.steps={steps}"]
+    if data_dir:
+        sets.append(f"train.data_paths={data_dir}")
     return config_lib.override(DrafterRunConfig(), sets)
 
 
@@ -78,9 +83,14 @@ def train_all(runs_dir: str) -> dict:
     w = {"target": os.path.join(runs_dir, "target"), "post": os.path.join(runs_dir, "post")}
     _finished(train(C.target_config(early), w["target"]))
     _finished(train(C.post_config(late, w["target"]), w["post"]))
+    # The drafters of DRAFTERS learn from the target's own samples; ABLATIONS from its corpus.
+    own = os.path.join(runs_dir, "texts", "target_samples")
+    write_target_samples(load_run(w["target"]), own, **C.SELF_TEXT)
     for name in [*C.DRAFTERS, *C.ABLATIONS]:
         w[name] = os.path.join(runs_dir, "drafters", name)
-        _finished(train_drafter(_drafter_cfg(name, C.DRAFTER_STEPS), w["target"], w[name]))
+        cfg = _drafter_cfg(name, C.DRAFTER_STEPS, own if name in C.DRAFTERS else None)
+        _finished(train_drafter(cfg, w["target"], w[name]))
+    # Realignment: on the post-trained target's own training text (its distributions).
     w["realigned"] = os.path.join(runs_dir, "drafters", f"{C.MAIN}_realigned")
     cfg = _drafter_cfg(C.MAIN, C.REALIGN_STEPS)
     _finished(train_drafter(cfg, w["post"], w["realigned"], init_from=w[C.MAIN]))

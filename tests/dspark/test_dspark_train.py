@@ -13,6 +13,7 @@ import pytest
 
 from v41jax import config as config_lib
 from v41jax.dspark.config import DrafterRunConfig
+from v41jax.dspark.self_text import write_target_samples
 from v41jax.dspark.train import load_drafter, train_drafter
 from v41jax.train import load_run, train
 
@@ -98,6 +99,28 @@ def test_realignment_starts_from_the_given_drafter(target, tmp_path):
     assert max(np.abs(a - b).max() for a, b in zip(start, moved, strict=True)) < 1e-5
 
 
+def test_drafter_trains_on_the_targets_own_samples(target, tmp_path):
+    """write_target_samples writes one text file per sample of the target (once: a rerun with
+    the same settings regenerates nothing, other settings are refused), and a drafter trains
+    on them through train.data_paths."""
+    run, out = load_run(target), str(tmp_path / "samples")
+    kw = dict(num_samples=60, prompt_len=4, new_tokens=40, batch_size=32, progress=False)
+    kw["samples_per_file"] = 15  # documents long enough for the tiny config's val split
+    record = write_target_samples(run, out, **kw)
+    files = sorted(f for f in os.listdir(out) if f.endswith(".txt"))
+    assert len(files) == 4 and 0 < record["new_tokens_written"] <= 60 * 40
+    stamp = os.path.getmtime(os.path.join(out, files[0]))
+    assert write_target_samples(run, out, **kw) == record
+    assert os.path.getmtime(os.path.join(out, files[0])) == stamp
+    with pytest.raises(ValueError, match="not .*'temperature': 0.5"):
+        write_target_samples(run, out, **{**kw, "temperature": 0.5})
+    with pytest.raises(ValueError, match="max_seq_len 64"):
+        write_target_samples(run, str(tmp_path / "x"), **{**kw, "new_tokens": 80})
+    cfg = drafter_cfg("train.steps=2", f"train.data_paths={out}")
+    result = train_drafter(cfg, target, str(tmp_path / "drafter"), progress=False)
+    assert result["step"] == 2 and np.isfinite(result["val_loss"])
+
+
 def test_cli_train_drafter_then_generate(target, tmp_path):
     workdir = str(tmp_path / "cli")
     sets = [x for s in SETTINGS + ["train.steps=2"] for x in ("--set", s)]
@@ -121,7 +144,7 @@ def test_cli_train_drafter_then_generate(target, tmp_path):
     )
     assert gen.returncode == 0, gen.stderr
     assert "tokens per round (scheduled)" in gen.stderr
-    assert os.path.exists(os.path.join(workdir, "cost_table_b1.json"))
+    assert os.path.exists(os.path.join(workdir, "round_cost_b1.json"))
     bad = run(
         "train-drafter",
         "--target-workdir",

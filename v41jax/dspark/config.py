@@ -78,7 +78,9 @@ class DrafterConfig:
 
 @dataclass(frozen=True)
 class DrafterTrainConfig:
-    """Frozen-backbone drafter training on anchors sampled from packed corpus sequences.
+    """Frozen-backbone drafter training on anchors sampled from packed sequences of text
+    (`data_paths`; default the target's training text; e.g. the target's own samples,
+    `v41jax.dspark.self_text`).
 
     Loss per anchor and position k = 1..K (weights decay^(k-1)):
         CE(p_k, q_k) + tv_weight * TV(q_k, p_k) + conf_weight * BCE(c_k, 1 - TV(q_k, p_k))
@@ -97,6 +99,7 @@ class DrafterTrainConfig:
     tv_weight: float = 0.0
     conf_weight: float = 1.0
     targets: str = "distribution"
+    data_paths: tuple[str, ...] = ()  # text for the anchors; () = the target's training text
     seed: int = 0
     log_every: int = 20
     eval_every: int = 200  # 0 -> only at the end

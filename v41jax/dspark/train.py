@@ -47,6 +47,8 @@ def _save_or_check(workdir: str, record: dict) -> None:
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
+        # settings added since the run was made read as their defaults
+        old["config"] = config_lib.to_dict(config_lib.from_dict(DrafterRunConfig, old["config"]))
         diffs = config_lib.diff(old, record)
         if diffs:
             raise ValueError(
@@ -171,7 +173,10 @@ def train_drafter(
         "init_from": os.path.abspath(init_from) if init_from else None,
     }
     _save_or_check(workdir, record)
-    data = prepare_data(tcfg.data, show_progress=progress, tokenizer=target.tokenizer)
+    data_cfg = tcfg.data
+    if cfg.train.data_paths:
+        data_cfg = dataclasses.replace(data_cfg, paths=tuple(cfg.train.data_paths))
+    data = prepare_data(data_cfg, show_progress=progress, tokenizer=target.tokenizer)
     seq_len = tcfg.data.seq_len
     frozen = frozen_target(target.params, tcfg.model)
     target_params = nn.unbox(target.params)
