@@ -128,6 +128,7 @@ class Decoder:
         repeats=None,
         temperature=None,
         compile_first=True,
+        loop="auto",
     ):
         """(fastest wall seconds of a whole pass over `repeats` passes, the merged log of the
         last pass or None); compiled before timing. Every pass uses the same key."""
@@ -149,6 +150,7 @@ class Decoder:
                 mode=mode,
                 verify_len=verify_len,
                 cost=cost,
+                loop=loop,
                 **common,
             )
 
@@ -239,6 +241,21 @@ def evaluate_all(w: dict) -> dict:
     }
 
 
+def rerun_scheduler_study(w: dict, out_dir: str) -> int:
+    path = os.path.join(out_dir, "summary.json")
+    with open(path) as f:
+        summary = json.load(f)
+    target = load_run(w["target"])
+    dec = Decoder(target, val_prompts(target, C.NUM_PROMPTS, C.PROMPT_LEN))
+    main, big = load_drafter(w[C.MAIN]), max(C.BATCHES)
+    cost = load_cost(w[C.MAIN], target, main, big)
+    summary["scheduler_study"] = scheduler_study(dec, main, cost, big)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2)
+    print(write_report(summary, out_dir))
+    return 0
+
+
 def load_cost(workdir, target, d, batch):
     """The main drafter's round-cost table at this batch size (measured once, then reused)."""
     return load_or_measure_cost(workdir, target.params, target.cfg.model, d[1], d[0].drafter, batch)
@@ -250,6 +267,10 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
     every pass and their median; tokens per round and mean verify length."""
     k = drafter[0].drafter.block_size
     configs = {f"fixed L={L}": dict(mode="fixed", verify_len=L) for L in range(1, k + 1)}
+    # the same lengths on the scheduler's loop (host-driven rounds): the policy alone
+    configs.update(
+        {f"fixed L={L}, host loop": dict(verify_len=L, loop="host") for L in range(1, k + 1)}
+    )
     configs["scheduled"] = dict(mode="scheduled", cost=cost)
     out = {n: {"tokens_per_s": []} for n in configs}
     for name, kw in configs.items():  # compile, and the round statistics
@@ -288,7 +309,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs-dir", default=os.path.join("runs", "dspark"))
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
-    ap.add_argument("--stage", choices=("all", "train", "eval"), default="all")
+    ap.add_argument(
+        "--stage",
+        choices=("all", "train", "eval", "scheduler"),
+        default="all",
+        help="scheduler: rerun only the scheduler-vs-fixed study into an existing summary.json",
+    )
     ap.add_argument("--quick", action="store_true", help="a miniature of everything (tests)")
     args = ap.parse_args()
     if args.quick:
@@ -298,6 +324,8 @@ def main() -> int:
     if args.stage == "train":
         return 0
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.stage == "scheduler":
+        return rerun_scheduler_study(w, args.out_dir)
     result = evaluate_all(w)
     summary = {
         "machine": machine_info(),

@@ -39,8 +39,8 @@ def test_dspark_experiment_miniature(tmp_path):
     assert len(summary["stats"]["mtp1 fixed"]["acceptance"]) == 1
     assert set(summary["realignment"]) == {"before", "after"}
     study = summary["scheduler_study"]["configs"]
-    assert set(study) == {"fixed L=1", "fixed L=2", "fixed L=3", "fixed L=4", "fixed L=5",
-                          "scheduled"}  # fmt: skip
+    fixed = {f"fixed L={k}" for k in range(1, 6)}
+    assert set(study) == fixed | {f"{n}, host loop" for n in fixed} | {"scheduled"}
     assert all(len(v["tokens_per_s"]) == 2 for v in study.values())
     assert set(summary["temperature_study"]) == {"0.0", "1.0"}
     assert set(summary["temperature_study"]["0.0"]) == {"mtp1", "parallel", "dspark"}
