@@ -92,7 +92,16 @@ QUICK = dict(
     BATCHES=(1, 4),
     TIMING_REPEATS=1,
     TEMPERATURES=(0.0, 1.0),
-    SELF_TEXT=dict(num_samples=24, prompt_len=8, new_tokens=40, temperature=1.0, batch_size=24),
+    # 4 documents of 12 samples: the tiny config's validation split (1 of them) holds a batch
+    SELF_TEXT=dict(
+        num_samples=48,
+        prompt_len=8,
+        new_tokens=40,
+        temperature=1.0,
+        batch_size=48,
+        samples_per_file=12,
+    ),
+    DRAFTER_COMMON=DRAFTER_COMMON + ["train.batch_size=4", "train.eval_batches=1"],
     SCHED_REPEATS=2,
     DRAFTERS={n: v for n, v in DRAFTERS.items() if n != "dspark_k7"},
     ABLATIONS={"dspark_corpus": []},
