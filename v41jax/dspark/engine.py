@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
-import time
 from typing import Any, NamedTuple
 
 import jax
@@ -45,7 +43,7 @@ from v41jax.dspark.rounds import (
     prefill,
     verify_step,
 )
-from v41jax.dspark.scheduler import CostTable
+from v41jax.dspark.scheduler import CostTable, measure_cost_table
 from v41jax.model.generate import _check_compression
 from v41jax.model.sampling import Scalar, sampling_knobs
 from v41jax.model.speculative import check_prompt_batch
@@ -202,23 +200,15 @@ def _host_step(c: Ctx, state: State, d: Draft, st: Static, width: int):
     return _with_flags(c, verify_step(c, state, d, st, width), st)
 
 
-def _host_rounds(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
-    """Yield (state, draft, width) before each round's verify, then the final state alone.
-    The draft after the last round is computed and discarded (one drafter pass). A yielded
-    state is donated by the next step: do not keep it."""
+def _host_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkOutput:
+    """Rounds until every row is done; the draft after the last round is computed and
+    discarded (one drafter pass). Each step donates the state it is given."""
     state, d, flags = _host_start(c, prompts_BxP, lengths_B, rng, st)
     while True:
         width, more = (int(x) for x in jax.device_get(flags))
         if not more:
-            yield state
-            return
-        yield state, d, width
+            return _finish_jit(lengths_B, state, st)
         state, d, flags = _host_step(c, state, d, st, width)
-
-
-def _host_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkOutput:
-    *_, final = _host_rounds(c, prompts_BxP, lengths_B, rng, st)
-    return _finish_jit(lengths_B, final, st)
 
 
 def measure_round_cost(
@@ -258,27 +248,28 @@ def measure_round_cost(
         compression = jnp.asarray(compression, jnp.int32)
     c = Ctx(nn.unbox(target_params), nn.unbox(drafter_params), frozen, knobs, compression,
             lengths + n_new)  # fmt: skip
-    medians: dict[int, list[float]] = {w: [] for w in range(1, k + 1)}
-    for p in range(passes):
-        for w in list(medians)[:: 1 if p % 2 == 0 else -1]:  # alternate the order: drift
+    prompts = jnp.zeros((b, 1), jnp.int32)
+
+    def timed_pass(p: int) -> CostTable:
+        def step_for_width(tokens_per_row):  # w = tokens_per_row - 1 drafts; fresh prefill
+            w = tokens_per_row - 1
             st = Static(target_cfg, drafter, n_new, "fixed", w, None)
-            prompts = jnp.zeros((b, 1), jnp.int32)
             state, d, _ = _host_start(c, prompts, lengths, jax.random.key(p), st)
-            state, d, flags = _host_step(c, state, d, st, w)  # compile, warm
-            jax.device_get(flags)
-            times = []
-            for _ in range(rounds):
-                start = time.perf_counter()
+
+            def one_round():
+                nonlocal state, d
                 state, d, flags = _host_step(c, state, d, st, w)
-                jax.device_get(flags)  # the loop's one sync per round
-                times.append(time.perf_counter() - start)
-            medians[w].append(statistics.median(times))
-    tick = time.get_clock_info("perf_counter").resolution
+                return jax.device_get(flags)  # the loop's one sync per round
+
+            return one_round
+
+        widths = list(range(2, k + 2))[:: 1 if p % 2 == 0 else -1]  # alternate: drift
+        return measure_cost_table(step_for_width, widths, b, repeats=rounds, warmup=1)
+
     # min over passes of the per-pass median: a pass hit by a transient load does not count
-    return CostTable(
-        tuple(b * (1 + w) for w in medians),
-        tuple(max(min(m), tick) for m in medians.values()),
-    )
+    tables = [timed_pass(p) for p in range(passes)]
+    per_width = zip(*(t.seconds for t in tables), strict=True)
+    return CostTable(tables[0].tokens, tuple(min(s) for s in per_width))
 
 
 def load_or_measure_cost(

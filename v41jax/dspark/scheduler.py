@@ -148,7 +148,8 @@ def measure_cost_table(
 ) -> CostTable:
     """Time a verify step per width w (tokens per request): `fn = step_for_width(w)`, `warmup`
     untimed calls (compilation), then the median over `repeats` timed calls of fn() (waited on
-    with jax.block_until_ready). Returns CostTable(tokens = batch_size * w, seconds)."""
+    with jax.block_until_ready). Widths are timed in the order given (alternate it between
+    calls to spread drift); returns CostTable(tokens = batch_size * w, seconds), by width."""
     widths = list(widths)
     if not widths or any(
         isinstance(w, bool) or not isinstance(w, int | np.integer) or w < 1 for w in widths
@@ -175,7 +176,8 @@ def measure_cost_table(
             jax.block_until_ready(fn())
             times.append(time.perf_counter() - start)
         seconds.append(max(statistics.median(times), tick))
-    return CostTable(tuple(batch_size * w for w in widths), tuple(seconds))
+    by_width = sorted(zip(widths, seconds, strict=True))
+    return CostTable(tuple(batch_size * w for w, _ in by_width), tuple(s for _, s in by_width))
 
 
 class Schedule(NamedTuple):
