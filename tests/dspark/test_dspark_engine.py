@@ -86,6 +86,19 @@ def test_greedy_equals_plain_greedy(mode):
     assert np.asarray(out.rounds).min() >= 20 // 4  # at most K + 1 = 4 tokens per round
 
 
+@pytest.mark.parametrize("mode", ["fixed", "scheduled"])
+def test_greedy_equals_plain_greedy_contextual_markov(mode):
+    """The contextual Markov head (drafts read hidden states too; o != 0 so it acts)."""
+    tp, dp, frozen, dcfg = models(dcfg=drafter_cfg(markov_context=8))
+    dp = {**dp, "markov": {**dp["markov"], "o": np.full((8, 4), 0.5, np.float32)}}
+    toks, lens = prompts(4, seed=2)
+    want = np.asarray(generate(tp, TARGET, toks, lens, max_new_tokens=16))
+    out = dspark_generate(
+        tp, TARGET, dp, dcfg, frozen, toks, lens, max_new_tokens=16, mode=mode, cost=STAIRS
+    )
+    np.testing.assert_array_equal(np.asarray(out.tokens), want)
+
+
 def test_fixed_verify_length_and_round_counts():
     tp, dp, frozen, dcfg = models()
     toks, lens = prompts(3, seed=1)

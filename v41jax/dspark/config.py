@@ -28,6 +28,9 @@ class DrafterConfig:
         last min(3, num_layers) layers.
     window: context positions a draft block sees: anchor_pos - window <= s < anchor_pos.
     markov_rank: rank r of the transition term u(x_{k-1}) . w(v); 0 turns it off.
+    markov_context: H > 0 makes the transition vector read draft position k's hidden state
+        too (`v41jax.dspark.markov`: u_k = u(x_{k-1}) + gelu(hidden_k h + t(x_{k-1})) o,
+        an MLP of width H); 0 = the plain low-rank transition.
     d_ff: SwiGLU width of the drafter blocks; 0 -> the target's d_ff.
     """
 
@@ -39,6 +42,7 @@ class DrafterConfig:
     d_ff: int = 0
     window: int = 128
     markov_rank: int = 32
+    markov_context: int = 0
     norm_eps: float = 1e-6
     init_std: float = 0.02
 
@@ -49,6 +53,15 @@ class DrafterConfig:
             _require(v >= 1, f"drafter.{name}={v} must be >= 1")
         _require(self.markov_rank >= 0, f"drafter.markov_rank={self.markov_rank} must be >= 0")
         _require(self.d_ff >= 0, f"drafter.d_ff={self.d_ff} must be >= 0")
+        _require(
+            self.markov_context >= 0, f"drafter.markov_context={self.markov_context} must be >= 0"
+        )
+        _require(
+            self.markov_context == 0 or (self.kind == "dspark" and self.markov_rank > 0),
+            f"drafter.markov_context={self.markov_context} needs the Markov head "
+            f"(kind='dspark', markov_rank > 0; got kind={self.kind!r}, "
+            f"markov_rank={self.markov_rank})",
+        )
         _require(
             self.kind != "mtp1" or self.block_size == 1,
             f"drafter.kind='mtp1' drafts one token per round: block_size={self.block_size} != 1",

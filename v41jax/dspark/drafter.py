@@ -151,19 +151,31 @@ class _Block(nn.Module):
 
 
 class _MarkovTables(nn.Module):
-    """The Markov head's tables `u`, `w` [V, r] (see `v41jax.dspark.markov`)."""
+    """The Markov head's tables `u`, `w` [V, r], and for the contextual head (context > 0)
+    `t` [V, H], `h` [D, H], `o` [H, r] with o = 0 at init (see `v41jax.dspark.markov`)."""
 
     vocab_size: int
     rank: int
     init_std: float
     param_dtype: Any
+    context: int = 0
+    d_model: int = 0
 
     def setup(self):
-        shape, pd = (self.vocab_size, self.rank), self.param_dtype
-        self.u = self.param("u", normal_init(self.init_std, ("vocab", None)), shape, pd)
-        self.w = self.param("w", normal_init(self.init_std, ("vocab", None)), shape, pd)
+        v, r, h, pd = self.vocab_size, self.rank, self.context, self.param_dtype
+        init = normal_init(self.init_std, ("vocab", None))
+        self.u = self.param("u", init, (v, r), pd)
+        self.w = self.param("w", init, (v, r), pd)
+        if h:
+            self.t = self.param("t", init, (v, h), pd)
+            h_init = normal_init(self.init_std, ("embed", None))
+            self.h = self.param("h", h_init, (self.d_model, h), pd)
+            zeros = nn.with_logical_partitioning(nn.initializers.zeros, (None, None))
+            self.o = self.param("o", zeros, (h, r), pd)
 
     def __call__(self) -> dict[str, jax.Array]:
+        if self.context:
+            return {"u": self.u, "w": self.w, "t": self.t, "h": self.h, "o": self.o}
         return {"u": self.u, "w": self.w}
 
 
@@ -172,7 +184,8 @@ class Drafter(nn.Module):
 
     Params: `ctx_proj` [F, D], `ctx_norm/scale`, `mask_embedding` [D], `block_{l}/{attn_norm,
     attn/{q,k,v,o}, ffn_norm, ffn/{w_gate,w_up,w_down}}`, `final_norm/scale`,
-    `confidence/{kernel [D, 1], bias [1]}`, and `markov/{u, w}` [V, r] when `cfg.uses_markov`.
+    `confidence/{kernel [D, 1], bias [1]}`, and `markov/{u, w}` [V, r] when `cfg.uses_markov`
+    (plus `markov/{t, h, o}` when `cfg.markov_context`).
     """
 
     cfg: DrafterConfig
@@ -203,7 +216,9 @@ class Drafter(nn.Module):
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
         )
         if c.uses_markov:
-            self.markov = _MarkovTables(t.vocab_size, c.markov_rank, c.init_std, pd)
+            self.markov = _MarkovTables(
+                t.vocab_size, c.markov_rank, c.init_std, pd, c.markov_context, t.d_model
+            )
 
     def context_kv(self, feats_BxSxF: jax.Array, positions_BxS: jax.Array) -> ContextKV:
         """Per-layer context keys/values `[{"k", "v"}: [B, S, G, Kd]] * num_layers` from the

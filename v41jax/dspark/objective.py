@@ -110,7 +110,8 @@ def drafter_loss(
         take(batch["segment_ids"], anchors_BxN),
     )
     markov = drafter_params.get("markov") if drafter.uses_markov else None
-    q_logits = teacher_forced_logits(out.base_logits, markov, anchors, next_tokens)
+    hidden = out.hidden if drafter.markov_context else None
+    q_logits = teacher_forced_logits(out.base_logits, markov, anchors, next_tokens, hidden)
     log_q = jax.nn.log_softmax(q_logits, axis=-1)
     q = jnp.exp(log_q)
     p = jax.nn.softmax(p_logits, axis=-1)

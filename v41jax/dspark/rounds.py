@@ -177,7 +177,8 @@ def draft_step(c: Ctx, state: State, st: Static) -> Draft:
         method=module.draft,
     )
     probs = knob_probs(c.knobs)
-    drafts, q = markov_draft(k_draft, d_out.base_logits[:, 0], pending[:, 0], markov, probs)
+    hidden = d_out.hidden[:, 0] if dcfg.markov_context else None
+    drafts, q = markov_draft(k_draft, d_out.base_logits[:, 0], pending[:, 0], markov, probs, hidden)
     conf = jax.nn.sigmoid(d_out.confidence_logits[:, 0])
     if st.mode == "scheduled":
         sched = schedule_verify_lengths(conf, st.cost, basis="padded", active_B=active)
