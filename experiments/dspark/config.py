@@ -16,7 +16,8 @@ BASE = "small"  # the named config of the target
 SPLIT_YEAR = 1946
 TARGET_STEPS = 400
 POST_STEPS = 100
-DRAFTER_STEPS = 300
+DRAFTER_STEPS = 900
+ABLATION_STEPS = 300  # the ablations are compared among themselves, at 300 steps
 REALIGN_STEPS = 150
 
 # name -> `--set` overrides of DrafterRunConfig (defaults: DSpark, K = 5, 3 blocks, r = 32).
@@ -31,16 +32,23 @@ DRAFTERS = {
     "dspark": [],
     "dspark_k7": ["drafter.block_size=7"],  # the public checkpoints' block size
 }
-# DRAFTERS train on the target's own samples (SELF_TEXT); ABLATIONS on the target's corpus,
-# evaluated for acceptance only (batch max(BATCHES), fixed K): the training-data choice
-# (`*_corpus`) and the training-target choice (`dspark_tokens`: one-hot corpus tokens
-# instead of the target's distributions).
+# DRAFTERS train DRAFTER_STEPS on the target's own samples (SELF_TEXT). ABLATIONS train
+# ABLATION_STEPS and are evaluated for acceptance only (batch max(BATCHES), fixed K):
+# `*_s300` are DRAFTERS at 300 steps on the same text (the references; also what 3x longer
+# training buys), `*_corpus` the same on the target's corpus instead (the training-data
+# choice), `dspark_tokens` one-hot corpus tokens as targets instead of the target's
+# distributions, `dspark_ctx_s300` the contextual Markov head (drafter.markov_context).
 ABLATIONS = {
+    "dspark_s300": [],
+    "mtp1_s300": DRAFTERS["mtp1"],
+    "parallel_s300": DRAFTERS["parallel"],
+    "dspark_ctx_s300": ["drafter.markov_context=128"],
     "dspark_corpus": [],
     "mtp1_corpus": DRAFTERS["mtp1"],
     "parallel_corpus": DRAFTERS["parallel"],
     "dspark_tokens": ["train.targets=tokens"],
 }
+SELF_TEXT_ABLATIONS = ("dspark_s300", "mtp1_s300", "parallel_s300", "dspark_ctx_s300")
 # The target's own text (`v41jax.dspark.self_text.write_target_samples`): continuations of
 # 16-token windows of its training text at temperature 1, ~490k new tokens.
 SELF_TEXT = dict(num_samples=2048, prompt_len=16, new_tokens=240, temperature=1.0, batch_size=64)
@@ -86,6 +94,7 @@ QUICK = dict(
     TARGET_STEPS=6,
     POST_STEPS=4,
     DRAFTER_STEPS=4,
+    ABLATION_STEPS=3,
     REALIGN_STEPS=2,
     NUM_PROMPTS=4,
     NEW_TOKENS=8,

@@ -88,7 +88,9 @@ def train_all(runs_dir: str) -> dict:
     write_target_samples(load_run(w["target"]), own, **C.SELF_TEXT)
     for name in [*C.DRAFTERS, *C.ABLATIONS]:
         w[name] = os.path.join(runs_dir, "drafters", name)
-        cfg = _drafter_cfg(name, C.DRAFTER_STEPS, own if name in C.DRAFTERS else None)
+        steps = C.DRAFTER_STEPS if name in C.DRAFTERS else C.ABLATION_STEPS
+        on_own = name in C.DRAFTERS or name in C.SELF_TEXT_ABLATIONS
+        cfg = _drafter_cfg(name, steps, own if on_own else None)
         _finished(train_drafter(cfg, w["target"], w[name]))
     # Realignment: on the post-trained target's own training text (its distributions).
     w["realigned"] = os.path.join(runs_dir, "drafters", f"{C.MAIN}_realigned")

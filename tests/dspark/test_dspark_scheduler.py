@@ -200,6 +200,38 @@ def test_finished_rows_do_not_bias_the_batch_tail_to_short_verifies():
     assert int(phantom.verify_len[0]) < 4
 
 
+@pytest.mark.parametrize("basis", BASES)
+def test_drafts_past_a_rows_end_count_for_nothing(basis):
+    """useful_B caps each row's counted survivals: the jitted scheduler matches the brute
+    force; useful = K is the default; and with every row 2 tokens from its end on a rising
+    cost, the padded verify shrinks to 1 draft, where without the cap it verifies more."""
+    b, k = 6, 4
+    conf = _confidences(9, b, k)
+    useful = np.array([4, 0, 1, 2, 3, 1], np.int32)
+    got = schedule_verify_lengths(conf, STAIRS, basis=basis, useful_B=useful)
+    ref = schedule_reference(conf, STAIRS, basis, useful=useful)
+    np.testing.assert_array_equal(np.asarray(got.verify_len), ref.verify_len)
+    np.testing.assert_allclose(float(got.expected_tokens), float(ref.expected_tokens), rtol=1e-5)
+    full = schedule_verify_lengths(conf, STAIRS, basis=basis, useful_B=np.full(b, k, np.int32))
+    default = schedule_verify_lengths(conf, STAIRS, basis=basis)
+    np.testing.assert_array_equal(np.asarray(full.verify_len), np.asarray(default.verify_len))
+    sure = np.full((8, 4), 0.95, np.float32)
+    cost = CostTable((1, 1001), (1.0, 11.0))  # 1 s fixed + 10 ms per token
+    free = schedule_verify_lengths(sure, cost, basis="padded")
+    near_end = schedule_verify_lengths(sure, cost, basis="padded", useful_B=np.full(8, 1, np.int32))
+    assert int(np.max(free.verify_len)) == 4 and int(np.max(near_end.verify_len)) == 1
+
+
+def test_scheduler_rejects_a_bad_useful_count():
+    conf = np.full((2, 2), 0.5, np.float32)
+    with pytest.raises(ValueError, match="useful_B must be int"):
+        schedule_verify_lengths(conf, STAIRS, useful_B=np.ones(2, np.float32))
+    with pytest.raises(ValueError, match=r"\(3,\)"):
+        schedule_verify_lengths(conf, STAIRS, useful_B=np.ones(3, np.int32))
+    with pytest.raises(ValueError, match="useful_B must be >= 0, got min -1"):
+        schedule_verify_lengths(conf, STAIRS, useful_B=np.array([1, -1], np.int32))
+
+
 def test_scheduler_rejects_a_bad_active_mask():
     with pytest.raises(ValueError, match="active_B must be bool"):
         schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), STAIRS, active_B=[1, 0])

@@ -181,7 +181,11 @@ def draft_step(c: Ctx, state: State, st: Static) -> Draft:
     drafts, q = markov_draft(k_draft, d_out.base_logits[:, 0], pending[:, 0], markov, probs, hidden)
     conf = jax.nn.sigmoid(d_out.confidence_logits[:, 0])
     if st.mode == "scheduled":
-        sched = schedule_verify_lengths(conf, st.cost, basis="padded", active_B=active)
+        # drafts past a row's last needed token add nothing: pos + 1 + j <= end - 1
+        useful = jnp.clip(c.end_B - 2 - state.pos, 0, dcfg.block_size).astype(jnp.int32)
+        sched = schedule_verify_lengths(
+            conf, st.cost, basis="padded", active_B=active, useful_B=useful
+        )
         width = jnp.max(jnp.where(active, sched.verify_len, 1))
     else:
         width = jnp.int32(st.fixed_len)

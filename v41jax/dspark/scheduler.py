@@ -231,6 +231,7 @@ def schedule_verify_lengths(
     basis: str = "total",
     min_gain: float = 0.01,
     active_B: jax.Array | None = None,
+    useful_B: jax.Array | None = None,
 ) -> Schedule:
     """Verify lengths L [B] from confidences c [B, K] in [0, 1] (see the module docstring).
 
@@ -239,14 +240,34 @@ def schedule_verify_lengths(
     when few rows are left, this is what makes longer verifies pay); it still occupies its
     slot of the padded batch (the cost's token count is unchanged).
 
+    `useful_B` (int [B], default K): a row that needs m more tokens gains nothing from
+    accepting more than m - 1 drafts (the round's last token is always emitted), so its
+    survivals at positions j > useful = m - 1 count as 0: E[min(A + 1, m)] = 1 + sum_{j < m}
+    s_j. Near the end of a row this shortens its verify; it is known before the round
+    (positions only), so it keeps the output law.
+
     Pure jnp with static shapes (the cost table is baked in as constants): jit-able with the
     confidences traced (jit/vmap it with cost, basis, min_gain closed over); values are
     checked only when concrete.
     """
     b, _ = _check_args(confidence_BxK, cost, basis, min_gain)
     active_B = _check_active(active_B, b)
+    useful_B = _check_useful(useful_B, b, np.shape(confidence_BxK)[1])
     conf = jnp.asarray(confidence_BxK, jnp.float32)
-    return _schedule(conf, jnp.asarray(active_B, bool), cost, basis, float(min_gain))
+    active = jnp.asarray(active_B, bool)
+    return _schedule(conf, active, jnp.asarray(useful_B, jnp.int32), cost, basis, float(min_gain))
+
+
+def _check_useful(useful_B, b: int, k: int):
+    """Default K for every row; else int [B] >= 0 (values checked when concrete)."""
+    if useful_B is None:
+        return np.full((b,), k, np.int32)
+    dt = jnp.asarray(useful_B).dtype
+    if np.shape(useful_B) != (b,) or not jnp.issubdtype(dt, jnp.integer):
+        raise ValueError(f"useful_B must be int [{b}], got {dt} {np.shape(useful_B)}")
+    if not isinstance(useful_B, jax.core.Tracer) and np.min(np.asarray(useful_B)) < 0:
+        raise ValueError(f"useful_B must be >= 0, got min {int(np.min(np.asarray(useful_B)))}")
+    return useful_B
 
 
 def _check_active(active_B, b: int):
@@ -259,13 +280,16 @@ def _check_active(active_B, b: int):
     return active_B
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _schedule(conf_BxK, active_B, cost: CostTable, basis: str, min_gain: float) -> Schedule:
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _schedule(
+    conf_BxK, active_B, useful_B, cost: CostTable, basis: str, min_gain: float
+) -> Schedule:
     b, k = conf_BxK.shape
     conf_BxK = jnp.where(active_B[:, None], conf_BxK, 0.0)
     n_req = jnp.sum(active_B).astype(jnp.float32)  # requests that will emit a token
     m_free = b * (k - 1)  # slots at positions j >= 2, handed out by survival
-    surv_BxK = jnp.cumprod(conf_BxK, axis=1)
+    useful_BxK = jnp.arange(1, k + 1) <= useful_B[:, None]
+    surv_BxK = jnp.where(useful_BxK, jnp.cumprod(conf_BxK, axis=1), 0.0)
     forced = jnp.sum(surv_BxK[:, 0])
     secs = jnp.asarray(_slot_costs(cost, b, k, basis), jnp.float32)
     if m_free == 0:  # K = 1: every request verifies its single draft
@@ -296,13 +320,20 @@ def _schedule(conf_BxK, active_B, cost: CostTable, basis: str, min_gain: float) 
 
 
 def schedule_reference(
-    confidence, cost: CostTable, basis: str = "total", min_gain: float = 0.01, active=None
+    confidence,
+    cost: CostTable,
+    basis: str = "total",
+    min_gain: float = 0.01,
+    active=None,
+    useful=None,
 ) -> Schedule:
     """Brute force in float64 numpy over every budget n = B .. B K (for tests); returns a
     Schedule of numpy values."""
     b, k = _check_args(confidence, cost, basis, min_gain)
     act = np.asarray(_check_active(active, b), bool)
+    use = np.asarray(_check_useful(useful, b, k))
     surv = np.cumprod(np.asarray(confidence, np.float64), axis=1) * act[:, None]
+    surv *= np.arange(1, k + 1)[None, :] <= use[:, None]
     free = sorted((-surv[r, j], j, r) for r in range(b) for j in range(1, k))
     best = None  # (throughput, n, lengths, tau)
     results = []
