@@ -266,7 +266,9 @@ def load_cost(workdir, target, d, batch):
 def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
     """The scheduler vs every fixed length at one batch size, SCHED_REPEATS interleaved passes
     (each configuration once per pass, all compiled first). Per configuration: tokens/s of
-    every pass and their median; tokens per round and mean verify length."""
+    every pass and their median; tokens per round and mean verify length; and the
+    cost-model tokens/s (`A.modelled_seconds`: the logged rounds priced by the cost table,
+    the comparison of policies this VM's drift cannot blur)."""
     k = drafter[0].drafter.block_size
     configs = {f"fixed L={L}": dict(mode="fixed", verify_len=L) for L in range(1, k + 1)}
     # the same lengths on the scheduler's loop (host-driven rounds): the policy alone
@@ -275,11 +277,15 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
     )
     configs["scheduled"] = dict(mode="scheduled", cost=cost)
     out = {n: {"tokens_per_s": []} for n in configs}
+    total = C.NUM_PROMPTS * C.NEW_TOKENS
+    one_batch = batch >= C.NUM_PROMPTS  # the log is one batch: its rounds can be costed
     for name, kw in configs.items():  # compile, and the round statistics
         _, log = dec.run(batch, drafter, repeats=1, **kw)
         out[name]["tokens_per_round"] = A.tokens_per_round(log["accepted"], log["active"])
         out[name]["mean_verify_len"] = float(log["verify_len"][log["active"]].mean())
-    total = C.NUM_PROMPTS * C.NEW_TOKENS
+        if one_batch:  # the same rounds priced by the measured cost table: no drift
+            secs = A.modelled_seconds(log["verify_len"], log["active"], cost)
+            out[name]["model_tokens_per_s"] = total / secs
     for _ in tqdm(range(C.SCHED_REPEATS), desc="scheduler vs fixed"):
         for name, kw in configs.items():
             secs, _ = dec.run(batch, drafter, repeats=1, compile_first=False, **kw)

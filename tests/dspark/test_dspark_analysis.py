@@ -16,6 +16,7 @@ from v41jax.dspark.analysis import (
     calibration,
     markdown_table,
     merge_logs,
+    modelled_seconds,
     plot_acceptance,
     plot_reliability,
     plot_throughput,
@@ -204,3 +205,14 @@ def test_bad_input():
         acceptance_per_position(length + 0.5, acc, active, 3)
     with pytest.raises(ValueError, match="needs name"):
         plot_throughput([{"name": "x", "batch": 0, "tokens_per_s": 1.0}], "unused.png")
+
+
+def test_modelled_seconds_by_hand():
+    """3 rounds of 2 rows: widths 3 (max over active rows; the inactive row's 5 is ignored),
+    1, then no active row (not counted); cost = 1 + tokens / 10."""
+    length = np.array([[3, 5], [1, 0], [0, 0]])
+    active = np.array([[True, False], [True, False], [False, False]])
+    got = modelled_seconds(length, active, lambda t: 1.0 + t / 10)
+    assert got == pytest.approx((1 + 2 * 4 / 10) + (1 + 2 * 2 / 10))
+    with pytest.raises(ValueError, match=r"must both be \[R, B\]"):
+        modelled_seconds(length, active[:, :1], lambda t: 1.0)

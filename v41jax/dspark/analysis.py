@@ -14,6 +14,7 @@ and accepted iff A >= j. From these:
     E[A + 1] = 1 + sum_{j=1..k} prod_{i<=j} alpha_i             (`v41jax.spec.throughput`)
     ECE      = sum_bins (n_bin / N) |acceptance_bin - confidence_bin|   over reached drafts
     E_c[A]   = sum_{j=1..L} prod_{i<=j} c_i                     (predicted accepted length)
+    T_model  = sum_r cost(B (1 + max_b L[r, b]))                 (`modelled_seconds`)
 
 Inactive row-rounds are ignored everywhere, whatever their values. Results are plain
 JSON-able dicts and lists (None where a quantity has no samples). Plots use the Agg backend.
@@ -139,6 +140,21 @@ def predicted_tokens_per_round(alpha, k: int | None = None) -> float:
 
 
 # ----------------------------------------------------------------------------- calibration
+
+
+def modelled_seconds(verify_len, active, cost) -> float:
+    """Seconds a padded engine spends on one batch's rounds by its cost table:
+    sum over rounds with an active row of cost(B (1 + w_r)), w_r = max_b L[r, b] (every row
+    is padded to the round's widest verify). `cost`: tokens -> seconds (a `CostTable`).
+    The log must be one batch (not `merge_logs` of several). Tokens / this is a throughput
+    free of the machine's drift: it compares verify-length policies on one measured curve."""
+    length, act = _as_int("verify_len", verify_len), np.asarray(active, bool)
+    if length.ndim != 2 or act.shape != length.shape:
+        raise ValueError(f"verify_len {length.shape} and active {act.shape} must both be [R, B]")
+    b = length.shape[1]
+    rounds = act.any(axis=1)
+    widths = np.where(act, length, 0).max(axis=1)[rounds]
+    return float(sum(cost(b * (1 + int(w))) for w in widths))
 
 
 def _none(x: float) -> float | None:
