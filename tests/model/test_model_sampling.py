@@ -93,3 +93,27 @@ def test_bad_values_raise(kwargs, match):
         sampling_probs(LOGITS, **kwargs)
     with pytest.raises(ValueError, match=match):
         sample_logits(jax.random.key(0), LOGITS, **kwargs)
+
+
+def test_sample_probs_law_zeros_and_shapes():
+    """Inverse-CDF draws: G-test against the law on 40k rows (zeros at both ends and inside,
+    a near-1 mass and tiny ones), zero-probability tokens never drawn; a negative control
+    (the law with two masses swapped) must be rejected; leading shapes are kept."""
+    from scipy import stats
+
+    from v41jax.model.sampling import sample_probs
+
+    law = np.array([0.0, 0.5, 0.0, 0.2, 1e-3, 0.299, 0.0], np.float64)
+    n = 40_000
+    toks = np.asarray(
+        jax.jit(sample_probs)(jax.random.key(7), jnp.broadcast_to(law.astype(np.float32), (n, 7)))
+    )
+    assert toks.dtype == np.int32 and toks.shape == (n,)
+    counts = np.bincount(toks, minlength=7)
+    assert counts[law == 0].sum() == 0
+    pos = law > 0
+    assert stats.power_divergence(counts[pos], law[pos] * n, lambda_="log-likelihood").pvalue > 1e-3
+    wrong = law[pos][[0, 3, 2, 1]]  # 0.2 and 0.299 swapped
+    assert stats.power_divergence(counts[pos], wrong * n, lambda_="log-likelihood").pvalue < 1e-6
+    one_hot = jnp.zeros((2, 3, 5)).at[..., 4].set(1.0)  # the last token, leading shape [2, 3]
+    np.testing.assert_array_equal(sample_probs(jax.random.key(0), one_hot), np.full((2, 3), 4))

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v41jax.model.sampling import sample_probs
+
 MarkovParams = Mapping[str, jax.Array]
 ProbsFn = Callable[[jax.Array], jax.Array]
 
@@ -181,8 +183,8 @@ def markov_draft(
     logits [B, V] to probabilities [B, V] (e.g. `functools.partial(sampling_probs,
     temperature=...)`; temperature 0 gives the greedy argmax chain). The returned q is
     exactly the distribution each draft was drawn from (the verifier's q); a draft never has
-    q = 0 because it is drawn from log q. The transformer is not re-run: only this O(r V)
-    head is sequential.
+    q = 0 (`sample_probs` never draws a zero-probability token). The transformer is not
+    re-run: only this O(r V) head is sequential.
     """
     base = base_logits_BxKxV.astype(jnp.float32)
     if base.ndim != 3:
@@ -206,7 +208,7 @@ def markov_draft(
         if markov_params is not None:
             logits_BxV = logits_BxV + markov_bias(markov_params, prev_B, hidden_BxD)
         q_BxV = probs_fn(logits_BxV).astype(jnp.float32)
-        x_B = jax.random.categorical(key_k, jnp.log(q_BxV), axis=-1).astype(jnp.int32)
+        x_B = sample_probs(key_k, q_BxV)
         return x_B, (x_B, q_BxV)
 
     keys_K = jax.random.split(key, k)

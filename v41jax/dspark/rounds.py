@@ -36,7 +36,7 @@ from v41jax.dspark.markov import markov_draft
 from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
 from v41jax.model.attention import update_cache
 from v41jax.model.generate import init_cache
-from v41jax.model.sampling import knob_probs
+from v41jax.model.sampling import knob_probs, sample_probs
 from v41jax.model.speculative import _write, extend_output
 from v41jax.spec import speculative_sample
 
@@ -137,7 +137,7 @@ def prefill(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> State:
     rng, key = jax.random.split(rng)
     last = jnp.take_along_axis(out.logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     probs = knob_probs(c.knobs)
-    first = jax.random.categorical(key, jnp.log(probs(last.astype(jnp.float32))), axis=-1)
+    first = sample_probs(key, probs(last.astype(jnp.float32)))
     history = _write(history, lengths_B, first.astype(jnp.int32)[:, None], lengths_B[:, None] >= 0)
     n, k = st.max_new_tokens, dcfg.block_size
     logs = (

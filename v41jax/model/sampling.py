@@ -1,7 +1,8 @@
 """Next-token sampling: temperature, top-k, top-p (nucleus) and min-p over float32 logits.
 
 `sampling_probs` is the one definition of the sampling distribution; `sample_logits` draws
-from exactly it, so speculative decoding can get q (drafter) and p (target) identically.
+from exactly it (`sample_probs`: inverse CDF, one uniform per row), so speculative decoding
+can get q (drafter) and p (target) identically.
 Order of operations: scale by 1/temperature, keep the top_k largest, keep the smallest
 prefix (in descending order) whose mass reaches top_p, keep tokens whose probability is at
 least min_p times the most likely one's, renormalise.
@@ -107,7 +108,25 @@ def sample_logits(
 ) -> jax.Array:
     """One token per row, int32 [B], drawn from `sampling_probs(logits, ...)`."""
     probs_BxV = sampling_probs(logits_BxV, temperature, top_k, top_p, min_p)
-    return jax.random.categorical(rng, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)
+    return sample_probs(rng, probs_BxV)
+
+
+def sample_probs(rng: jax.Array, probs_BxV: jax.Array) -> jax.Array:
+    """One token per row from probabilities [..., V] (rows sum to ~1): int32 [...].
+
+    Inverse CDF: with F = cumsum(probs) and one u ~ U[0, 1) per row, the token is the first
+    v with F_v > u F_V, so v is drawn with probability probs_v / F_V (F_V = 1 up to float32
+    rounding). One uniform per row instead of the V Gumbel draws of
+    `jax.random.categorical`, which on CPU made a [32, 4096] draw ~8x slower. A token with
+    probability 0 is never drawn: F is flat there, and a u that rounds up to F_V (odds
+    ~2^-24) falls back to the last token of positive probability, not past the vocabulary.
+    """
+    p = jnp.asarray(probs_BxV, jnp.float32)
+    cdf = jnp.cumsum(p, axis=-1)
+    u = jax.random.uniform(rng, p.shape[:-1] + (1,), jnp.float32) * cdf[..., -1:]
+    tok = jnp.sum(cdf <= u, axis=-1)
+    last = p.shape[-1] - 1 - jnp.argmax(p[..., ::-1] > 0, axis=-1)  # last v with p_v > 0
+    return jnp.minimum(tok, last).astype(jnp.int32)
 
 
 Knobs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]

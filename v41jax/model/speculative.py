@@ -32,7 +32,7 @@ import numpy as np
 from v41jax.config import ModelConfig
 from v41jax.engram import ngram_hash_ids_step
 from v41jax.model.generate import _check_compression, _window_ending_at, prefill
-from v41jax.model.sampling import Scalar, knob_probs, sampling_knobs
+from v41jax.model.sampling import Scalar, knob_probs, sample_probs, sampling_knobs
 from v41jax.model.transformer import Transformer, engram_ids_key
 from v41jax.spec import speculative_sample
 
@@ -204,8 +204,7 @@ def _speculative_generate(
     s = min(target_cfg.max_seq_len, draft_cfg.max_seq_len)
     probs = knob_probs(knobs)
 
-    def sample(key, probs_BxV):
-        return jax.random.categorical(key, jnp.log(probs_BxV), axis=-1).astype(jnp.int32)
+    sample = sample_probs
 
     logits_BxV, target_state = prefill(
         target_params, target_cfg, prompts_BxP, lengths_B, compression
