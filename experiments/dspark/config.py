@@ -30,25 +30,32 @@ DRAFTERS = {
     ],
     "parallel": ["drafter.kind=parallel", "drafter.markov_rank=0"],
     "dspark": [],
-    "dspark_k7": ["drafter.block_size=7"],  # the public checkpoints' block size
 }
 # DRAFTERS train DRAFTER_STEPS on the target's own samples (SELF_TEXT). ABLATIONS train
 # ABLATION_STEPS and are evaluated for acceptance only (batch max(BATCHES), fixed K):
 # `*_s300` are DRAFTERS at 300 steps on the same text (the references; also what 3x longer
 # training buys), `*_corpus` the same on the target's corpus instead (the training-data
 # choice), `dspark_tokens` one-hot corpus tokens as targets instead of the target's
-# distributions, `dspark_ctx_s300` the contextual Markov head (drafter.markov_context).
+# distributions, `dspark_ctx_s300` the contextual Markov head (drafter.markov_context),
+# `dspark_k7_s300` K = 7 (the public checkpoints' block size).
 ABLATIONS = {
     "dspark_s300": [],
     "mtp1_s300": DRAFTERS["mtp1"],
     "parallel_s300": DRAFTERS["parallel"],
     "dspark_ctx_s300": ["drafter.markov_context=128"],
+    "dspark_k7_s300": ["drafter.block_size=7"],
     "dspark_corpus": [],
     "mtp1_corpus": DRAFTERS["mtp1"],
     "parallel_corpus": DRAFTERS["parallel"],
     "dspark_tokens": ["train.targets=tokens"],
 }
-SELF_TEXT_ABLATIONS = ("dspark_s300", "mtp1_s300", "parallel_s300", "dspark_ctx_s300")
+SELF_TEXT_ABLATIONS = (
+    "dspark_s300",
+    "mtp1_s300",
+    "parallel_s300",
+    "dspark_ctx_s300",
+    "dspark_k7_s300",
+)
 # The target's own text (`v41jax.dspark.self_text.write_target_samples`): continuations of
 # 16-token windows of its training text at temperature 1, ~490k new tokens.
 SELF_TEXT = dict(num_samples=2048, prompt_len=16, new_tokens=240, temperature=1.0, batch_size=64)
@@ -112,6 +119,5 @@ QUICK = dict(
     ),
     DRAFTER_COMMON=DRAFTER_COMMON + ["train.batch_size=4", "train.eval_batches=1"],
     SCHED_REPEATS=2,
-    DRAFTERS={n: v for n, v in DRAFTERS.items() if n != "dspark_k7"},
     ABLATIONS={"dspark_corpus": []},
 )
