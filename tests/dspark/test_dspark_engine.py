@@ -219,6 +219,26 @@ def test_host_loop_matches_device_loop():
     assert (np.asarray(dev.accepted)[np.asarray(dev.active)] < 2).any()  # some rejections
 
 
+def test_scheduled_segments_match_one_round_per_call(monkeypatch):
+    """The host loop runs a segment of rounds per call while the width holds; with the width
+    changing, it gives the tokens and logs of one launch per round (the reference)."""
+    from v41jax.dspark import engine
+
+    tp, dp, frozen, dcfg = models()
+    toks, lens = prompts(5)
+    run = functools.partial(
+        dspark_generate, tp, TARGET, dp, dcfg, frozen, toks, lens, max_new_tokens=20,
+        mode="scheduled", cost=STAIRS, temperature=1.0, rng=jax.random.key(3),
+    )  # fmt: skip
+    seg = run()
+    monkeypatch.setattr(engine, "_host_segment", engine._host_step)
+    ref = run()
+    for name, a, b in zip(seg._fields, seg, ref, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    length, act = np.asarray(seg.verify_len), np.asarray(seg.active)
+    assert len({int(length[r][act[r]].max()) for r in range(len(act)) if act[r].any()}) > 1
+
+
 @pytest.mark.parametrize(
     "seconds, want",
     [

@@ -6,11 +6,12 @@ the target, `speculative_sample`. Two loops drive it:
 
 - device (mode "fixed", the default loop): the whole generation is one `lax.while_loop` at
   the static width;
-- host (mode "scheduled", or `loop="host"`): a Python loop over rounds with one compiled
-  verify step per width and the caches donated from step to step. The width is read back
-  (one int per round) and the matching step is dispatched, so each width costs what it
-  costs. (A `lax.switch` over the widths inside the device loop carries the KV caches
-  through the conditional and XLA copies them in and out: ~25% slower per round on CPU.)
+- host (mode "scheduled", or `loop="host"`): a Python loop over segments, one compiled
+  program per width that runs rounds while the scheduler keeps choosing that width (a
+  `lax.while_loop`), caches donated from call to call. At a change the width is read back
+  and the matching program is dispatched, so each width costs what it costs. (A
+  `lax.switch` over the widths inside the device loop carries the KV caches through the
+  conditional and XLA copies them in and out: ~25% slower per round on CPU.)
 
 The scheduler trades expected tokens against the measured cost of a whole round at each width
 (`measure_round_cost`): the drafter pass, the Markov sampling and the context write are paid
@@ -194,21 +195,40 @@ def _host_start(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
 
 
 # One program per round and width: this round's verify, then the next round's draft (one
-# launch per round). The state (both KV caches, history, logs) is donated: updated in place.
+# launch per round; `measure_round_cost` times these). The state (both KV caches, history,
+# logs) is donated: updated in place.
 @functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
 def _host_step(c: Ctx, state: State, d: Draft, st: Static, width: int):
     return _with_flags(c, verify_step(c, state, d, st, width), st)
 
 
+# One program per width that keeps going while the scheduler keeps choosing that width: a run
+# of rounds at one width costs one launch and one sync, not one per round (with the width
+# stable, the host loop runs as fast as the fused device loop).
+@functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
+def _host_segment(c: Ctx, state: State, d: Draft, st: Static, width: int):
+    def same_width(carry):
+        state, d = carry
+        return any_active(c, state) & (d.width == width)
+
+    def one_round(carry):
+        state, d = carry
+        state = verify_step(c, state, d, st, width)
+        return state, draft_step(c, state, st)
+
+    state, d = jax.lax.while_loop(same_width, one_round, (state, d))
+    return state, d, jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
+
+
 def _host_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkOutput:
-    """Rounds until every row is done; the draft after the last round is computed and
-    discarded (one drafter pass). Each step donates the state it is given."""
+    """Segments of rounds at one width until every row is done; the draft after the last
+    round is computed and discarded (one drafter pass). Each call donates its state."""
     state, d, flags = _host_start(c, prompts_BxP, lengths_B, rng, st)
     while True:
         width, more = (int(x) for x in jax.device_get(flags))
         if not more:
             return _finish_jit(lengths_B, state, st)
-        state, d, flags = _host_step(c, state, d, st, width)
+        state, d, flags = _host_segment(c, state, d, st, width)
 
 
 def measure_round_cost(
