@@ -67,7 +67,7 @@ PROMPT_LEN = 32
 NEW_TOKENS = 64
 BATCHES = (1, 8, 32)
 TEMPERATURE = 1.0
-TIMING_REPEATS = 2
+TIMING_REPEATS = 3  # interleaved passes over every decoder; the fastest counts
 # Acceptance-only study at batch max(BATCHES): every drafter of DRAFTERS at each temperature
 # (0 = greedy: drafts are the argmax of q and the verifier's q is one-hot).
 TEMPERATURES = (0.0, 0.5, 1.0)
