@@ -127,13 +127,13 @@ class Decoder:
         mode="fixed",
         verify_len=None,
         cost=None,
-        repeats=None,
         temperature=None,
         compile_first=True,
         loop="auto",
     ):
-        """(fastest wall seconds of a whole pass over `repeats` passes, the merged log of the
-        last pass or None); compiled before timing. Every pass uses the same key."""
+        """(wall seconds of one pass over every prompt, its merged log or None for plain
+        decoding); compiled first unless `compile_first=False`. Every pass uses the same key,
+        so callers interleave passes and keep the fastest (this VM drifts within minutes)."""
         t, logs, key = self.target, [], jax.random.key(C.SEED)
         temp = C.TEMPERATURE if temperature is None else temperature
         common = dict(max_new_tokens=C.NEW_TOKENS, temperature=temp, rng=key)
@@ -158,15 +158,12 @@ class Decoder:
 
         if compile_first:
             jax.block_until_ready(call(*next(self._chunks(batch))))
-        best = float("inf")
-        for _ in range(repeats or C.TIMING_REPEATS):
-            start, logs = time.perf_counter(), []
-            for p, lens in self._chunks(batch):
-                out = jax.block_until_ready(call(p, lens))
-                if drafter is not None:
-                    logs.append({k: np.asarray(v) for k, v in out._asdict().items()})
-            best = min(best, time.perf_counter() - start)
-        return best, (A.merge_logs(logs) if logs else None)
+        start = time.perf_counter()
+        for p, lens in self._chunks(batch):
+            out = jax.block_until_ready(call(p, lens))
+            if drafter is not None:
+                logs.append({k: np.asarray(v) for k, v in out._asdict().items()})
+        return time.perf_counter() - start, (A.merge_logs(logs) if logs else None)
 
 
 def drafter_stats(log: dict, k: int) -> dict:
@@ -204,10 +201,10 @@ def evaluate_all(w: dict) -> dict:
     def decode(job, first):  # (seconds of one pass, log); the first call compiles
         b, name, mode, length = job
         if mode == "plain":
-            return dec.run(b, repeats=1, compile_first=first)
+            return dec.run(b, compile_first=first)
         cost = load_cost(w[name], target, drafters[name], b) if mode == "scheduled" else None
         kind = "scheduled" if mode == "scheduled" else "fixed"
-        return dec.run(b, drafters[name], kind, length, cost, repeats=1, compile_first=first)
+        return dec.run(b, drafters[name], kind, length, cost, compile_first=first)
 
     # Timing: TIMING_REPEATS passes over every job in turn (interleaved: this VM's speed
     # drifts by tens of percent within minutes), the fastest pass of each job counts.
@@ -239,7 +236,7 @@ def evaluate_all(w: dict) -> dict:
     post_dec = Decoder(post, val_prompts(post, C.NUM_PROMPTS, C.PROMPT_LEN))
     realign = {}
     for label, d in (("before", drafters[C.MAIN]), ("after", load_drafter(w["realigned"]))):
-        _, log = post_dec.run(big, d, repeats=1)
+        _, log = post_dec.run(big, d)
         realign[label] = drafter_stats(log, main_k)
     main = drafters[C.MAIN]
     sched = scheduler_study(dec, main, load_cost(w[C.MAIN], target, main, big), big)
@@ -290,7 +287,7 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
     total = C.NUM_PROMPTS * C.NEW_TOKENS
     one_batch = batch >= C.NUM_PROMPTS  # the log is one batch: its rounds can be costed
     for name, kw in configs.items():  # compile, and the round statistics
-        _, log = dec.run(batch, drafter, repeats=1, **kw)
+        _, log = dec.run(batch, drafter, **kw)
         out[name]["tokens_per_round"] = A.tokens_per_round(log["accepted"], log["active"])
         out[name]["mean_verify_len"] = float(log["verify_len"][log["active"]].mean())
         if one_batch:  # the same rounds priced by the measured cost table: no drift
@@ -298,7 +295,7 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
             out[name]["model_tokens_per_s"] = total / secs
     for _ in tqdm(range(C.SCHED_REPEATS), desc="scheduler vs fixed"):
         for name, kw in configs.items():
-            secs, _ = dec.run(batch, drafter, repeats=1, compile_first=False, **kw)
+            secs, _ = dec.run(batch, drafter, compile_first=False, **kw)
             out[name]["tokens_per_s"].append(total / secs)
     for v in out.values():
         v["median_tokens_per_s"] = float(np.median(v["tokens_per_s"]))
@@ -312,7 +309,7 @@ def temperature_study(dec: Decoder, drafters: dict, batch: int) -> dict:
     for temp in C.TEMPERATURES:
         for name in C.DRAFTERS:
             d = drafters[name]
-            _, log = dec.run(batch, d, repeats=1, temperature=temp, compile_first=False)
+            _, log = dec.run(batch, d, temperature=temp, compile_first=False)
             alpha, _ = A.acceptance_per_position(
                 log["verify_len"], log["accepted"], log["active"], d[0].drafter.block_size
             )

@@ -183,10 +183,15 @@ def _device_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkO
 _finish_jit = jax.jit(_finish, static_argnames=("st",))
 
 
+def _flags(c: Ctx, state: State, d: Draft) -> jax.Array:
+    """[next width, any row active]: the two ints the host reads."""
+    return jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
+
+
 def _with_flags(c: Ctx, state: State, st: Static):
-    """The round's draft side and [width, any row active]: the two ints the host reads."""
+    """The round's draft side and its `_flags`."""
     d = draft_step(c, state, st)
-    return state, d, jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
+    return state, d, _flags(c, state, d)
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
@@ -217,7 +222,7 @@ def _host_segment(c: Ctx, state: State, d: Draft, st: Static, width: int):
         return state, draft_step(c, state, st)
 
     state, d = jax.lax.while_loop(same_width, one_round, (state, d))
-    return state, d, jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
+    return state, d, _flags(c, state, d)
 
 
 def _host_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkOutput:

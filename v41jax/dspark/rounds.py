@@ -138,7 +138,7 @@ def prefill(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> State:
     last = jnp.take_along_axis(out.logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     probs = knob_probs(c.knobs)
     first = sample_probs(key, probs(last.astype(jnp.float32)))
-    history = _write(history, lengths_B, first.astype(jnp.int32)[:, None], lengths_B[:, None] >= 0)
+    history = _write(history, lengths_B, first[:, None], lengths_B[:, None] >= 0)
     n, k = st.max_new_tokens, dcfg.block_size
     logs = (
         jnp.zeros((n, b, k), jnp.float32),

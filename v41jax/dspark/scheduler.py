@@ -265,8 +265,8 @@ def _check_useful(useful_B, b: int, k: int):
     dt = jnp.asarray(useful_B).dtype
     if np.shape(useful_B) != (b,) or not jnp.issubdtype(dt, jnp.integer):
         raise ValueError(f"useful_B must be int [{b}], got {dt} {np.shape(useful_B)}")
-    if not isinstance(useful_B, jax.core.Tracer) and np.min(np.asarray(useful_B)) < 0:
-        raise ValueError(f"useful_B must be >= 0, got min {int(np.min(np.asarray(useful_B)))}")
+    if not isinstance(useful_B, jax.core.Tracer) and (low := int(np.min(useful_B))) < 0:
+        raise ValueError(f"useful_B must be >= 0, got min {low}")
     return useful_B
 
 

@@ -204,8 +204,6 @@ def _speculative_generate(
     s = min(target_cfg.max_seq_len, draft_cfg.max_seq_len)
     probs = knob_probs(knobs)
 
-    sample = sample_probs
-
     logits_BxV, target_state = prefill(
         target_params, target_cfg, prompts_BxP, lengths_B, compression
     )
@@ -213,7 +211,7 @@ def _speculative_generate(
     rng, key = jax.random.split(rng)
     history = jnp.zeros((b, s), jnp.int32).at[:, :p_width].set(prompts_BxP)
     history = _write(
-        history, lengths_B, sample(key, probs(logits_BxV))[:, None], lengths_B[:, None] >= 0
+        history, lengths_B, sample_probs(key, probs(logits_BxV))[:, None], lengths_B[:, None] >= 0
     )
     end_B = lengths_B + max_new_tokens  # a row is done once pos + 1 >= end
 
@@ -231,7 +229,8 @@ def _speculative_generate(
                 )
             q_j = probs(logits[:, -1])
             q_list.append(q_j)
-            hist_d = _write(hist_d, pos + j + 1, sample(keys[j], q_j)[:, None], active[:, None])
+            draft_B = sample_probs(keys[j], q_j)
+            hist_d = _write(hist_d, pos + j + 1, draft_B[:, None], active[:, None])
         drafts_BxK = jnp.take_along_axis(hist_d, pos[:, None] + 1 + jnp.arange(k), axis=1)
         # 2. verify: one target pass over pending + K drafts.
         logits, t_kv = extend(target_params, target_cfg, t_kv, hist_d, pos, k + 1, compression)
