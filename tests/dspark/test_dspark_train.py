@@ -144,7 +144,7 @@ def test_cli_train_drafter_then_generate(target, tmp_path):
     )
     assert gen.returncode == 0, gen.stderr
     assert "tokens per round (scheduled)" in gen.stderr
-    assert os.path.exists(os.path.join(workdir, "round_cost_b1.json"))
+    assert os.path.exists(os.path.join(workdir, "loop_round_cost_b1.json"))
     bad = run(
         "train-drafter",
         "--target-workdir",

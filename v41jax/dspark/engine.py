@@ -13,9 +13,10 @@ the target, `speculative_sample`. Two loops drive it:
   `lax.switch` over the widths inside the device loop carries the KV caches through the
   conditional and XLA copies them in and out: ~25% slower per round on CPU.)
 
-The scheduler trades expected tokens against the measured cost of a whole round at each width
-(`measure_round_cost`): the drafter pass, the Markov sampling and the context write are paid
-whatever w is, so a verify-only table would overstate what a longer verify costs.
+The scheduler trades expected tokens against the measured cost of a whole round at each width,
+timed inside the loop (`measure_round_cost`): the drafter pass, the Markov sampling and the
+context write are paid whatever w is, so a verify-only table would overstate what a longer
+verify costs.
 Greedy (temperature 0) output equals plain greedy decoding token for token.
 Requirement: max(prompt length) + max_new_tokens + 2K + 1 <= target max_seq_len.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any, NamedTuple
 
 import jax
@@ -44,7 +46,7 @@ from v41jax.dspark.rounds import (
     prefill,
     verify_step,
 )
-from v41jax.dspark.scheduler import CostTable, measure_cost_table
+from v41jax.dspark.scheduler import CostTable
 from v41jax.model.generate import _check_compression
 from v41jax.model.sampling import Scalar, sampling_knobs
 from v41jax.model.speculative import check_prompt_batch
@@ -200,8 +202,8 @@ def _host_start(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
 
 
 # One program per round and width: this round's verify, then the next round's draft (one
-# launch per round; `measure_round_cost` times these). The state (both KV caches, history,
-# logs) is donated: updated in place.
+# launch per round: the reference `_host_segment` is tested against). The state (both KV
+# caches, history, logs) is donated: updated in place.
 @functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
 def _host_step(c: Ctx, state: State, d: Draft, st: Static, width: int):
     return _with_flags(c, verify_step(c, state, d, st, width), st)
@@ -244,24 +246,29 @@ def measure_round_cost(
     frozen: FrozenTarget,
     batch_size: int,
     *,
-    rounds: int = 8,
+    rounds: int = 16,
     passes: int = 3,
     temperature: float = 1.0,
     compression: Any = None,
 ) -> CostTable:
-    """Seconds of one decode round of the host loop at each verify width w = 1 .. K, B rows:
-    the drafter pass, Markov sampling, the target's verify of w + 1 tokens per row, the
-    acceptance rule and the context write, as generation runs them. Per pass and width: a
-    fresh prefill, one untimed round (compilation), then `rounds` rounds timed one by one
-    (all rows active throughout); the cost is the min over passes of the median. Returns
-    CostTable(tokens = B (1 + w), seconds), the table `schedule_verify_lengths(basis="padded")`
-    reads."""
+    """Seconds of one decode round at each verify width w = 1 .. K, B rows, as the loop runs
+    it: the drafter pass, Markov sampling, the target's verify of w + 1 tokens per row, the
+    acceptance rule and the context write. Per pass and width: a fresh prefill, then a whole
+    decode of `rounds` (K + 1) new tokens at width w as one `_host_segment` (the program the
+    scheduled loop runs), timed and divided by the rounds it ran (>= `rounds`). The first
+    pass also compiles and is discarded; the cost is the min over the other `passes`.
+
+    Timed inside the loop on purpose: one launch and one sync per round (the old method)
+    added a fixed ~10 ms to every width on the dev VM and flattened the table (70/73/72/79/
+    74 ms against 59/59/65/71/73 ms in the loop for w = 1..5), which hid that short widths
+    are cheaper. Returns CostTable(tokens = B (1 + w), seconds), the table
+    `schedule_verify_lengths(basis="padded")` reads."""
     for name, val in (("batch_size", batch_size), ("rounds", rounds), ("passes", passes)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name}={val!r} must be an int >= 1")
     k, s = drafter.block_size, target_cfg.max_seq_len
-    # every row must stay active: each round emits <= K + 1 tokens per row
-    n_new = (rounds + 1) * (k + 1) + 1
+    # every row stays active for >= `rounds` rounds: a round emits <= K + 1 tokens per row
+    n_new = rounds * (k + 1)
     if 1 + n_new + 2 * k + 1 > s:
         raise ValueError(
             f"rounds={rounds}: 1 + {n_new} new tokens + 2K + 1 exceeds max_seq_len {s}"
@@ -274,27 +281,25 @@ def measure_round_cost(
     c = Ctx(nn.unbox(target_params), nn.unbox(drafter_params), frozen, knobs, compression,
             lengths + n_new)  # fmt: skip
     prompts = jnp.zeros((b, 1), jnp.int32)
+    tick = time.get_clock_info("perf_counter").resolution
 
-    def timed_pass(p: int) -> CostTable:
-        def step_for_width(tokens_per_row):  # w = tokens_per_row - 1 drafts; fresh prefill
-            w = tokens_per_row - 1
-            st = Static(target_cfg, drafter, n_new, "fixed", w, None)
-            state, d, _ = _host_start(c, prompts, lengths, jax.random.key(p), st)
+    def seconds_per_round(w: int, p: int) -> float:
+        st = Static(target_cfg, drafter, n_new, "fixed", w, None)
+        state, d, _ = jax.block_until_ready(_host_start(c, prompts, lengths, jax.random.key(p), st))
+        r0 = int(state.r)
+        start = time.perf_counter()
+        state, _, _ = jax.block_until_ready(_host_segment(c, state, d, st, w))
+        elapsed = time.perf_counter() - start
+        return max(elapsed, tick) / (int(state.r) - r0)
 
-            def one_round():
-                nonlocal state, d
-                state, d, flags = _host_step(c, state, d, st, w)
-                return jax.device_get(flags)  # the loop's one sync per round
-
-            return one_round
-
-        widths = list(range(2, k + 2))[:: 1 if p % 2 == 0 else -1]  # alternate: drift
-        return measure_cost_table(step_for_width, widths, b, repeats=rounds, warmup=1)
-
-    # min over passes of the per-pass median: a pass hit by a transient load does not count
-    tables = [timed_pass(p) for p in range(passes)]
-    per_width = zip(*(t.seconds for t in tables), strict=True)
-    return CostTable(tables[0].tokens, tuple(min(s) for s in per_width))
+    best = [float("inf")] * k
+    for p in range(passes + 1):  # pass 0 compiles
+        widths = list(range(1, k + 1))[:: 1 if p % 2 == 0 else -1]  # alternate: drift
+        for w in widths:
+            secs = seconds_per_round(w, p)
+            if p:
+                best[w - 1] = min(best[w - 1], secs)
+    return CostTable(tuple(b * (1 + w) for w in range(1, k + 1)), tuple(best))
 
 
 def load_or_measure_cost(
@@ -307,8 +312,8 @@ def load_or_measure_cost(
     compression: Any = None,
 ) -> CostTable:
     """The round-cost table saved with the drafter run for this batch size, measured on first
-    use (`round_cost_b{B}.json`; delete it to re-measure on another machine)."""
-    path = os.path.join(drafter_workdir, f"round_cost_b{batch_size}.json")
+    use (`loop_round_cost_b{B}.json`; delete it to re-measure on another machine)."""
+    path = os.path.join(drafter_workdir, f"loop_round_cost_b{batch_size}.json")
     if os.path.exists(path):
         return CostTable.load(path)
     frozen = frozen_target(target_params, target_cfg)
