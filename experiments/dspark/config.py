@@ -74,6 +74,9 @@ TEMPERATURES = (0.0, 0.5, 1.0)
 # The scheduler vs each fixed length at batch max(BATCHES): SCHED_REPEATS interleaved passes
 # (every configuration once per pass), medians compared (the machine's speed drifts).
 SCHED_REPEATS = 5
+# Replay (`v41jax.dspark.replay`): REPLAY_PASSES decodes at fixed K, batch max(BATCHES), seeds
+# SEED, SEED + 1, ..., whose rounds every width policy and the oracle bound are priced on.
+REPLAY_PASSES = 8
 SEED = 0
 
 
@@ -119,5 +122,6 @@ QUICK = dict(
     ),
     DRAFTER_COMMON=DRAFTER_COMMON + ["train.batch_size=4", "train.eval_batches=1"],
     SCHED_REPEATS=2,
+    REPLAY_PASSES=2,
     ABLATIONS={"dspark_corpus": []},
 )

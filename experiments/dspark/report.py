@@ -81,13 +81,22 @@ def target_checks(summary: dict) -> list[dict]:
                 f"; cost model (wall-clock verdict unaffected): {model['scheduled']:.0f} vs "
                 f"{model[mb]:.0f} ({mb}): {model['scheduled'] / model[mb]:.3f}x"
             )
+        replay = ""
+        if "replay" in study:  # the same rounds under every policy: the scheduler's headroom
+            rp = study["replay"]
+            fixed = max(rp["fixed"])
+            replay = (
+                f"; replay of {rp['rounds']} rounds: scheduler {rp['scheduled'] / fixed:.3f}x "
+                f"the best fixed length, oracle bound {rp['oracle'] / fixed:.3f}x"
+            )
         checks.append(
             {
                 "target": f"batch {study['batch']}: scheduler beats the best fixed length",
                 "measured": f"median {med['scheduled']:.0f} vs {med[best]:.0f} tok/s ({best}, "
                 f"{len(cfg['scheduled']['tokens_per_s'])} interleaved passes): {gain:.3f}x"
                 + same_loop
-                + by_model,
+                + by_model
+                + replay,
                 "met": gain > 1.0,
             }
         )
@@ -108,6 +117,8 @@ def study_tables(summary: dict) -> list[str]:
                 "len": v["mean_verify_len"],
                 "tpr": v["tokens_per_round"],
                 "model": v.get("model_tokens_per_s"),
+                "loop": v.get("loop_rounds"),
+                "row": v.get("row_rounds"),
             }
             for n, v in study["configs"].items()
         ]
@@ -119,6 +130,8 @@ def study_tables(summary: dict) -> list[str]:
             ("len", "mean L", ".2f"),
             ("tpr", "tokens/round", ".3f"),
             ("model", "cost-model tokens/s", ".1f"),
+            ("loop", "loop rounds", ""),
+            ("row", "rounds per row", ".1f"),
         ]
         ct = study["cost_table"]
         pairs = zip(ct["tokens"], ct["seconds"], strict=True)
@@ -128,6 +141,7 @@ def study_tables(summary: dict) -> list[str]:
             A.markdown_table(rows, cols),
             f"\nRound-cost table (verified tokens: seconds per round): {secs}\n",
         ]
+        md += replay_table(study.get("replay"))
     temps = summary.get("temperature_study")
     if temps:
         names = list(next(iter(temps.values())))
@@ -139,6 +153,31 @@ def study_tables(summary: dict) -> list[str]:
         cols += [("ratio", "dspark / mtp1", ".2f")]
         md += ["\n## Tokens per round by temperature\n", A.markdown_table(rows, cols)]
     return md
+
+
+def replay_table(rp: dict | None) -> list[str]:
+    """Markdown: every width policy priced on the same logged rounds (v41jax.dspark.replay)."""
+    if not rp:
+        return []
+    fixed = max(rp["fixed"])
+    rows = [
+        {"p": f"fixed L={w}", "thr": x, "rel": x / fixed, "w": float(w)}
+        for w, x in enumerate(rp["fixed"], 1)
+    ]
+    rows.append({"p": "scheduled", "thr": rp["scheduled"], "rel": rp["scheduled"] / fixed,
+                 "w": rp["scheduled_widths"]})  # fmt: skip
+    rows.append({"p": "oracle bound (sees acceptance)", "thr": rp["oracle"],
+                 "rel": rp["oracle"] / fixed, "w": rp["oracle_widths"]})  # fmt: skip
+    cols = [
+        ("p", "policy", ""),
+        ("thr", "tokens per cost-second", ".1f"),
+        ("rel", "vs best fixed", ".3f"),
+        ("w", "mean width", ".2f"),
+    ]
+    return [
+        f"\n## Replay: width policies on the same {rp['rounds']} rounds (round-cost table)\n",
+        A.markdown_table(rows, cols),
+    ]
 
 
 def write_report(summary: dict, out_dir: str) -> str:

@@ -42,6 +42,7 @@ from v41jax.dspark import analysis as A  # noqa: E402
 from v41jax.dspark.config import DrafterRunConfig  # noqa: E402
 from v41jax.dspark.drafter import frozen_target  # noqa: E402
 from v41jax.dspark.engine import dspark_generate, load_or_measure_cost  # noqa: E402
+from v41jax.dspark.replay import replay_policies, stack_rounds  # noqa: E402
 from v41jax.dspark.self_text import write_target_samples  # noqa: E402
 from v41jax.dspark.train import load_drafter, train_drafter  # noqa: E402
 from v41jax.model import generate  # noqa: E402
@@ -130,11 +131,14 @@ class Decoder:
         temperature=None,
         compile_first=True,
         loop="auto",
+        seed=None,
     ):
         """(wall seconds of one pass over every prompt, its merged log or None for plain
-        decoding); compiled first unless `compile_first=False`. Every pass uses the same key,
-        so callers interleave passes and keep the fastest (this VM drifts within minutes)."""
-        t, logs, key = self.target, [], jax.random.key(C.SEED)
+        decoding); compiled first unless `compile_first=False`. Every pass uses the same key
+        (`seed`, default config.SEED), so callers interleave passes and keep the fastest
+        (this VM drifts within minutes)."""
+        t, logs = self.target, []
+        key = jax.random.key(C.SEED if seed is None else seed)
         temp = C.TEMPERATURE if temperature is None else temperature
         common = dict(max_new_tokens=C.NEW_TOKENS, temperature=temp, rng=key)
 
@@ -275,7 +279,10 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
     (each configuration once per pass, all compiled first). Per configuration: tokens/s of
     every pass and their median; tokens per round and mean verify length; and the
     cost-model tokens/s (`A.modelled_seconds`: the logged rounds priced by the cost table,
-    the comparison of policies this VM's drift cannot blur)."""
+    the comparison of policies this VM's drift cannot blur); loop rounds vs rounds per row
+    (a static batch waits for its slowest row). Then the replay: REPLAY_PASSES decodes at
+    fixed K with other seeds, every width policy and the oracle bound priced on their rounds
+    (`v41jax.dspark.replay`)."""
     k = drafter[0].drafter.block_size
     configs = {f"fixed L={L}": dict(mode="fixed", verify_len=L) for L in range(1, k + 1)}
     # the same lengths on the scheduler's loop (host-driven rounds): the policy alone
@@ -290,6 +297,9 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
         _, log = dec.run(batch, drafter, **kw)
         out[name]["tokens_per_round"] = A.tokens_per_round(log["accepted"], log["active"])
         out[name]["mean_verify_len"] = float(log["verify_len"][log["active"]].mean())
+        # a static batch runs until its slowest row is done: loop rounds vs rounds per row
+        out[name]["loop_rounds"] = int(log["active"].any(axis=1).sum())
+        out[name]["row_rounds"] = float(log["active"].sum(axis=0).mean())
         if one_batch:  # the same rounds priced by the measured cost table: no drift
             secs = A.modelled_seconds(log["verify_len"], log["active"], cost)
             out[name]["model_tokens_per_s"] = total / secs
@@ -299,7 +309,14 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
             out[name]["tokens_per_s"].append(total / secs)
     for v in out.values():
         v["median_tokens_per_s"] = float(np.median(v["tokens_per_s"]))
-    return {"batch": batch, "cost_table": cost.to_dict(), "configs": out}
+    study = {"batch": batch, "cost_table": cost.to_dict(), "configs": out}
+    if one_batch:  # every policy priced on the same logged rounds (v41jax.dspark.replay)
+        logs = [
+            dec.run(batch, drafter, compile_first=False, seed=C.SEED + i)[1]
+            for i in tqdm(range(C.REPLAY_PASSES), desc="replay passes")
+        ]
+        study["replay"] = replay_policies(**stack_rounds(logs), cost=cost)
+    return study
 
 
 def temperature_study(dec: Decoder, drafters: dict, batch: int) -> dict:

@@ -42,6 +42,10 @@ def test_dspark_experiment_miniature(tmp_path):
     fixed = {f"fixed L={k}" for k in range(1, 6)}
     assert set(study) == fixed | {f"{n}, host loop" for n in fixed} | {"scheduled"}
     assert all(len(v["tokens_per_s"]) == 2 for v in study.values())
+    assert all(v["loop_rounds"] >= v["row_rounds"] > 0 for v in study.values())
+    replay = summary["scheduler_study"]["replay"]
+    assert len(replay["fixed"]) == 5 and replay["rounds"] > 0
+    assert replay["oracle"] >= max(replay["fixed"] + [replay["scheduled"]]) - 1e-9
     assert set(summary["temperature_study"]) == {"0.0", "1.0"}
     assert set(summary["temperature_study"]["0.0"]) == {"mtp1", "parallel", "dspark"}
     tables = (out / "tables.md").read_text()
@@ -49,6 +53,7 @@ def test_dspark_experiment_miniature(tmp_path):
         "The issue's targets" in tables
         and "Scheduler vs fixed verify length" in tables
         and "Tokens per round by temperature" in tables
+        and "Replay: width policies" in tables
         and tables.count("| True |") + tables.count("| False |") == 4
     )
     for png in ("acceptance.png", "reliability.png", "throughput.png"):

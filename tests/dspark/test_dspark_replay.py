@@ -1,0 +1,117 @@
+"""Replay of logged rounds (v41jax.dspark.replay): the premise (verifying w of the same
+round's drafts accepts min(A, w)), the oracle bound against brute force, the fixed and
+scheduled rows against direct sums, and named errors."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from v41jax.dspark.replay import oracle_widths, replay_policies, stack_rounds
+from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
+from v41jax.spec import speculative_sample
+
+
+def random_log(r=6, b=4, k=3, seed=0):
+    rng = np.random.default_rng(seed)
+    conf = rng.uniform(0.05, 1.0, (r, b, k))
+    acc = rng.integers(0, k + 1, (r, b))
+    active = rng.uniform(size=(r, b)) < 0.8
+    active[0] = True
+    return conf, np.full((r, b), k), acc, active
+
+
+def test_verifying_a_prefix_accepts_min_of_the_full_count():
+    """The replay's premise, on the real sampler: the same key and drafts verified with
+    length w accept min(A_K, w) (odd sizes, near-uniform laws so rejections happen)."""
+    b, k, v = 7, 5, 11
+    for seed in range(20):
+        keys = jax.random.split(jax.random.key(seed), 4)
+        q = jax.nn.softmax(jax.random.normal(keys[0], (b, k, v)), -1)
+        p = jax.nn.softmax(jax.random.normal(keys[1], (b, k + 1, v)), -1)
+        d = jax.random.categorical(keys[2], jnp.log(q)).astype(jnp.int32)
+        _, full = speculative_sample(keys[3], d, q, p, jnp.full((b,), k, jnp.int32))
+        for w in range(k):
+            _, acc = speculative_sample(keys[3], d, q, p, jnp.full((b,), w, jnp.int32))
+            np.testing.assert_array_equal(np.asarray(acc), np.minimum(np.asarray(full), w))
+
+
+def test_oracle_matches_brute_force_over_every_width_sequence():
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        r, k = rng.integers(1, 5), rng.integers(1, 4)
+        t = rng.uniform(1, 10, (r, k))
+        s = rng.uniform(0.5, 3, (r, k))
+        best = max(
+            sum(t[i, w] for i, w in enumerate(ws)) / sum(s[i, w] for i, w in enumerate(ws))
+            for ws in itertools.product(range(k), repeat=r)
+        )
+        widths, ratio = oracle_widths(t, s)
+        assert ratio == pytest.approx(best, rel=1e-12)
+        rows = np.arange(r)
+        assert t[rows, widths - 1].sum() / s[rows, widths - 1].sum() == pytest.approx(best)
+
+
+def test_fixed_and_scheduled_rows_are_the_direct_sums():
+    conf, length, acc, active = random_log()
+    b, k = active.shape[1], conf.shape[2]
+    cost = CostTable(tuple(b * (1 + w) for w in range(1, k + 1)), (1.0, 1.3, 2.2))
+    out = replay_policies(conf, length, acc, active, cost)
+    live = active.any(1)
+    for w in range(1, k + 1):
+        toks = (active * (1 + np.minimum(acc, w))).sum()
+        secs = live.sum() * cost(b * (1 + w))
+        assert out["fixed"][w - 1] == pytest.approx(toks / secs)
+    widths = [
+        int(
+            np.max(
+                np.where(
+                    a, schedule_verify_lengths(c, cost, basis="padded", active_B=a).verify_len, 1
+                )
+            )
+        )  # fmt: skip
+        for c, a in zip(conf[live], active[live], strict=True)
+    ]
+    toks = sum(
+        (a * (1 + np.minimum(x, w))).sum()
+        for a, x, w in zip(active[live], acc[live], widths, strict=True)
+    )
+    secs = sum(cost(b * (1 + w)) for w in widths)
+    assert out["scheduled"] == pytest.approx(toks / secs)
+    assert out["oracle"] >= max(out["fixed"]) - 1e-12
+    assert out["oracle"] >= out["scheduled"] - 1e-12
+    assert out["rounds"] == live.sum()
+
+
+def test_flat_and_steep_tables_drive_the_scheduler_to_the_ends():
+    conf, length, acc, active = random_log(seed=1)
+    b, k = active.shape[1], conf.shape[2]
+    tokens = tuple(b * (1 + w) for w in range(1, k + 1))
+    flat = replay_policies(conf, length, acc, active, CostTable(tokens, (1.0,) * k))
+    assert flat["scheduled_widths"] == k and flat["scheduled"] == pytest.approx(flat["fixed"][-1])
+    steep = replay_policies(conf, length, acc, active, CostTable(tokens, (1.0, 50.0, 100.0)))
+    assert steep["scheduled_widths"] == 1
+    assert steep["scheduled"] == pytest.approx(steep["fixed"][0])
+
+
+def test_stack_rounds_and_bad_input_is_named():
+    conf, length, acc, active = random_log()
+    log = dict(confidence=conf, verify_len=length, accepted=acc, active=active)
+    stacked = stack_rounds([log, log])
+    assert stacked["confidence"].shape == (12, 4, 3)
+    b, k = active.shape[1], conf.shape[2]
+    cost = CostTable(tuple(b * (1 + w) for w in range(1, k + 1)), (1.0, 1.3, 2.2))
+    with pytest.raises(ValueError, match="different batch sizes"):
+        stack_rounds([log, {key: v[:, :2] for key, v in log.items()}])
+    with pytest.raises(ValueError, match="all K=3 drafts"):
+        replay_policies(conf, np.where(active, 2, 3), np.minimum(acc, 2), active, cost)
+    with pytest.raises(ValueError, match="cost table covers"):
+        replay_policies(conf, length, acc, active, CostTable((4, 6, 8), (1.0, 1.3, 2.2)))
+    with pytest.raises(ValueError, match="no active row"):
+        replay_policies(conf, length, acc, np.zeros_like(active), cost)
+    with pytest.raises(ValueError, match="seconds must be > 0"):
+        oracle_widths(np.ones((2, 2)), np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="CostTable"):
+        replay_policies(conf, length, acc, active, {"tokens": (8,)})
