@@ -315,7 +315,9 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
             dec.run(batch, drafter, compile_first=False, seed=C.SEED + i)[1]
             for i in tqdm(range(C.REPLAY_PASSES), desc="replay passes")
         ]
-        study["replay"] = replay_policies(**stack_rounds(logs), cost=cost)
+        # the engine's "width" basis and the budget rule priced at padded cost, for comparison
+        bases = ("width", "padded")
+        study["replay"] = replay_policies(**stack_rounds(logs), cost=cost, bases=bases)
     return study
 
 

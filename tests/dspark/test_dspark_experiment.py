@@ -45,7 +45,8 @@ def test_dspark_experiment_miniature(tmp_path):
     assert all(v["loop_rounds"] >= v["row_rounds"] > 0 for v in study.values())
     replay = summary["scheduler_study"]["replay"]
     assert len(replay["fixed"]) == 5 and replay["rounds"] > 0
-    assert replay["oracle"] >= max(replay["fixed"] + [replay["scheduled"]]) - 1e-9
+    assert set(replay["scheduled"]) == {"width", "padded"}
+    assert replay["oracle"] >= max(replay["fixed"] + list(replay["scheduled"].values())) - 1e-9
     assert set(summary["temperature_study"]) == {"0.0", "1.0"}
     assert set(summary["temperature_study"]["0.0"]) == {"mtp1", "parallel", "dspark"}
     tables = (out / "tables.md").read_text()

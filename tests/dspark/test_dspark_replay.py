@@ -54,11 +54,12 @@ def test_oracle_matches_brute_force_over_every_width_sequence():
         assert t[rows, widths - 1].sum() / s[rows, widths - 1].sum() == pytest.approx(best)
 
 
-def test_fixed_and_scheduled_rows_are_the_direct_sums():
+@pytest.mark.parametrize("basis", ["width", "padded"])
+def test_fixed_and_scheduled_rows_are_the_direct_sums(basis):
     conf, length, acc, active = random_log()
     b, k = active.shape[1], conf.shape[2]
     cost = CostTable(tuple(b * (1 + w) for w in range(1, k + 1)), (1.0, 1.3, 2.2))
-    out = replay_policies(conf, length, acc, active, cost)
+    out = replay_policies(conf, length, acc, active, cost, bases=(basis,))
     live = active.any(1)
     for w in range(1, k + 1):
         toks = (active * (1 + np.minimum(acc, w))).sum()
@@ -67,21 +68,18 @@ def test_fixed_and_scheduled_rows_are_the_direct_sums():
     widths = [
         int(
             np.max(
-                np.where(
-                    a, schedule_verify_lengths(c, cost, basis="padded", active_B=a).verify_len, 1
-                )
+                np.where(a, schedule_verify_lengths(c, cost, basis=basis, active_B=a).verify_len, 1)
             )
         )  # fmt: skip
         for c, a in zip(conf[live], active[live], strict=True)
     ]
-    toks = sum(
-        (a * (1 + np.minimum(x, w))).sum()
-        for a, x, w in zip(active[live], acc[live], widths, strict=True)
-    )
+    rounds = zip(active[live], acc[live], widths, strict=True)
+    toks = sum((a * (1 + np.minimum(x, w))).sum() for a, x, w in rounds)
     secs = sum(cost(b * (1 + w)) for w in widths)
-    assert out["scheduled"] == pytest.approx(toks / secs)
+    assert out["scheduled"][basis] == pytest.approx(toks / secs)
+    assert out["scheduled_widths"][basis] == pytest.approx(np.mean(widths))
     assert out["oracle"] >= max(out["fixed"]) - 1e-12
-    assert out["oracle"] >= out["scheduled"] - 1e-12
+    assert out["oracle"] >= out["scheduled"][basis] - 1e-12
     assert out["rounds"] == live.sum()
 
 
@@ -89,11 +87,14 @@ def test_flat_and_steep_tables_drive_the_scheduler_to_the_ends():
     conf, length, acc, active = random_log(seed=1)
     b, k = active.shape[1], conf.shape[2]
     tokens = tuple(b * (1 + w) for w in range(1, k + 1))
-    flat = replay_policies(conf, length, acc, active, CostTable(tokens, (1.0,) * k))
-    assert flat["scheduled_widths"] == k and flat["scheduled"] == pytest.approx(flat["fixed"][-1])
-    steep = replay_policies(conf, length, acc, active, CostTable(tokens, (1.0, 50.0, 100.0)))
-    assert steep["scheduled_widths"] == 1
-    assert steep["scheduled"] == pytest.approx(steep["fixed"][0])
+    both = ("width", "padded")
+    flat = replay_policies(conf, length, acc, active, CostTable(tokens, (1.0,) * k), both)
+    steep = replay_policies(conf, length, acc, active, CostTable(tokens, (1.0, 50.0, 100.0)), both)
+    for basis in both:
+        assert flat["scheduled_widths"][basis] == k
+        assert flat["scheduled"][basis] == pytest.approx(flat["fixed"][-1])
+        assert steep["scheduled_widths"][basis] == 1
+        assert steep["scheduled"][basis] == pytest.approx(steep["fixed"][0])
 
 
 def test_stack_rounds_and_bad_input_is_named():
@@ -113,5 +114,7 @@ def test_stack_rounds_and_bad_input_is_named():
         replay_policies(conf, length, acc, np.zeros_like(active), cost)
     with pytest.raises(ValueError, match="seconds must be > 0"):
         oracle_widths(np.ones((2, 2)), np.zeros((2, 2)))
+    with pytest.raises(ValueError, match="'total'"):
+        replay_policies(conf, length, acc, active, cost, bases=("total",))
     with pytest.raises(ValueError, match="CostTable"):
         replay_policies(conf, length, acc, active, {"tokens": (8,)})

@@ -9,6 +9,7 @@ curve, where the throughput curve has several local maxima.
 """
 
 import functools
+import itertools
 import json
 
 import jax
@@ -46,7 +47,7 @@ def _jitted(cost: CostTable, basis: str, min_gain: float = 0.01):
     return jax.jit(lambda c: schedule_verify_lengths(c, cost, basis=basis, min_gain=min_gain))
 
 
-@pytest.mark.parametrize("basis", BASES)
+@pytest.mark.parametrize("basis", ["total", "padded"])
 @pytest.mark.parametrize("k", [1, 4, 5, 7])
 @pytest.mark.parametrize("b", [3, 5, 7])
 def test_matches_reference_and_allocates_prefixes_by_survival(b, k, basis):
@@ -71,6 +72,44 @@ def test_matches_reference_and_allocates_prefixes_by_survival(b, k, basis):
             assert surv[chosen].min() >= surv[free & ~chosen].max()
         # tau = B + the survivals of the verified prefixes
         np.testing.assert_allclose(ref.expected_tokens, b + surv[chosen | ~free].sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("k", [1, 4, 5])
+@pytest.mark.parametrize("b", [3, 6])
+def test_width_basis_is_the_padded_engines_expectation(b, k):
+    """basis "width": one w for every row, tau(w) = B + sum_b sum_{j <= w} s[b, j] priced at
+    B (1 + w) tokens; the argmax over w with the min_gain fallback, against the brute force
+    and against the formula directly."""
+    for seed, cost in itertools.product(range(3), (STAIRS, AFFINE)):
+        conf = _confidences(500 * b + 10 * k + seed, b, k)
+        got = _jitted(cost, "width")(conf)
+        ref = schedule_reference(conf, cost, "width")
+        lens = np.asarray(got.verify_len)
+        assert np.all(lens == lens[0]) and int(got.budget) == b * int(lens[0])
+        np.testing.assert_array_equal(lens, ref.verify_len)
+        surv = np.cumprod(conf.astype(np.float64), axis=1)
+        thr = [(b + surv[:, :w].sum()) / cost(b * (1 + w)) for w in range(1, k + 1)]
+        w = int(np.argmax(thr)) + 1
+        w = w if thr[w - 1] > 1.01 * thr[-1] else k
+        assert int(lens[0]) == w
+        np.testing.assert_allclose(float(got.throughput), thr[w - 1], rtol=1e-5)
+        np.testing.assert_allclose(float(got.full_throughput), thr[-1], rtol=1e-5)
+
+
+def test_width_basis_counts_every_rows_drafts_the_padded_budget_does_not():
+    """A sure row and a doubtful one, K = 3. At w = 2 a padded engine verifies both rows'
+    second drafts: tau = 2 + 2 + 1 + 0.2 = 5.2, 5.31 per second, above w = 3's 6.24 / 1.2 =
+    5.2, so "width" picks 2. The budget rule hands the sure row its third slot before the
+    doubtful row's second (survival 1 > 0.2), so at max length 2 it counts only tau = 5
+    (5.10 per second) and picks the full length."""
+    conf = np.array([[1.0, 1.0, 1.0], [1.0, 0.2, 0.2]], np.float32)
+    cost = CostTable((4, 6, 8), (0.9, 0.98, 1.2))
+    width = _jitted(cost, "width", 0.0)(conf)
+    assert width.verify_len.tolist() == [2, 2]
+    np.testing.assert_allclose(float(width.expected_tokens), 5.2, rtol=1e-6)
+    assert schedule_reference(conf, cost, "width", 0.0).verify_len.tolist() == [2, 2]
+    padded = _jitted(cost, "padded", 0.0)(conf)
+    assert int(np.max(padded.verify_len)) == 3
 
 
 def test_global_argmax_beats_the_first_local_maximum():

@@ -246,7 +246,7 @@ def measure_round_cost(
     frozen: FrozenTarget,
     batch_size: int,
     *,
-    rounds: int = 16,
+    rounds: int | None = None,
     passes: int = 3,
     temperature: float = 1.0,
     compression: Any = None,
@@ -255,18 +255,21 @@ def measure_round_cost(
     it: the drafter pass, Markov sampling, the target's verify of w + 1 tokens per row, the
     acceptance rule and the context write. Per pass and width: a fresh prefill, then a whole
     decode of `rounds` (K + 1) new tokens at width w as one `_host_segment` (the program the
-    scheduled loop runs), timed and divided by the rounds it ran (>= `rounds`). The first
+    scheduled loop runs), timed and divided by the rounds it ran (>= `rounds`; default 16 or
+    as many as max_seq_len holds). The first
     pass also compiles and is discarded; the cost is the min over the other `passes`.
 
     Timed inside the loop on purpose: one launch and one sync per round (the old method)
     added a fixed ~10 ms to every width on the dev VM and flattened the table (70/73/72/79/
     74 ms against 59/59/65/71/73 ms in the loop for w = 1..5), which hid that short widths
     are cheaper. Returns CostTable(tokens = B (1 + w), seconds), the table
-    `schedule_verify_lengths(basis="padded")` reads."""
+    `schedule_verify_lengths(basis="width")` reads."""
+    k, s = drafter.block_size, target_cfg.max_seq_len
+    if rounds is None:  # 16, or as many as the target's context holds
+        rounds = max(1, min(16, (s - 2 * k - 2) // (k + 1)))
     for name, val in (("batch_size", batch_size), ("rounds", rounds), ("passes", passes)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name}={val!r} must be an int >= 1")
-    k, s = drafter.block_size, target_cfg.max_seq_len
     # every row stays active for >= `rounds` rounds: a round emits <= K + 1 tokens per row
     n_new = rounds * (k + 1)
     if 1 + n_new + 2 * k + 1 > s:

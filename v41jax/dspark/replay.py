@@ -12,7 +12,8 @@ round, `CostTable` of B (1 + w) tokens) a per-round width w_r earns
     throughput   = sum_r tokens_r(w_r) / sum_r seconds_r(w_r)
 
 Policies compared on the same rounds: every fixed L; the scheduler (`schedule_verify_lengths`
-on the logged confidences, as the engine calls it: padded basis, active rows); and the oracle
+on the logged confidences, as the engine calls it: `ENGINE_BASIS`, active rows; or another
+basis for comparison); and the oracle
 bound, the best ratio any per-round choice reaches, even one that sees A (not lossless), so
 an upper bound on every draft-side policy. It is solved exactly by Dinkelbach's method:
 lambda* = max ratio is the root of F(lambda) = sum_r max_w [tokens_r(w) - lambda seconds_r(w)];
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from v41jax.dspark.analysis import _check_log
+from v41jax.dspark.rounds import ENGINE_BASIS
 from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
 
 
@@ -86,12 +88,15 @@ def oracle_widths(tokens_RxK: np.ndarray, seconds_RxK: np.ndarray) -> tuple[np.n
     return pick + 1, float(lam)
 
 
-def replay_policies(confidence, verify_len, accepted, active, cost: CostTable, **schedule_kw):
-    """Throughput (tokens per cost-second) of fixed L = 1 .. K, the scheduler and the oracle
-    bound on the rounds of a fixed-length-K log (see the module docstring); several batches of
-    the same size: `stack_rounds`. `schedule_kw` go to
-    `schedule_verify_lengths` (e.g. min_gain). Returns {"fixed": [K], "scheduled",
-    "oracle": floats; "scheduled_widths", "oracle_widths": mean width; "rounds": R'}."""
+def replay_policies(
+    confidence, verify_len, accepted, active, cost: CostTable, bases=(ENGINE_BASIS,), **kw
+) -> dict[str, Any]:
+    """Throughput (tokens per cost-second) of fixed L = 1 .. K, the scheduler with each of
+    `bases` and the oracle bound on the rounds of a fixed-length-K log (see the module
+    docstring); several batches of the same size: `stack_rounds`. `kw` go to
+    `schedule_verify_lengths` (e.g. min_gain). Returns {"fixed": [K], "oracle": float,
+    "oracle_widths": mean width, "scheduled": {basis: float}, "scheduled_widths": {basis:
+    mean width}, "rounds": R'}."""
     conf, length, acc, act, k = _check_log(confidence, verify_len, accepted, active)
     if not isinstance(cost, CostTable):
         raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
@@ -100,6 +105,9 @@ def replay_policies(confidence, verify_len, accepted, active, cost: CostTable, *
     if np.any(length[act] != k):
         bad = np.unique(length[act][length[act] != k])
         raise ValueError(f"the log must verify all K={k} drafts per active row; found {bad}")
+    bad = [b for b in bases if b not in ("padded", "width")]
+    if bad or not bases:
+        raise ValueError(f"bases={bases!r}: a padded engine's widths need 'padded' or 'width'")
     tokens, seconds = _round_tables(acc, act, cost, k)
     rows = np.arange(tokens.shape[0])
 
@@ -107,29 +115,30 @@ def replay_policies(confidence, verify_len, accepted, active, cost: CostTable, *
         return float(tokens[rows, widths - 1].sum() / seconds[rows, widths - 1].sum())
 
     live = act.any(axis=1)
-    sched = np.array(
-        [
-            int(
-                np.max(
-                    np.where(
-                        a,
-                        schedule_verify_lengths(
-                            c, cost, basis="padded", active_B=a, **schedule_kw
-                        ).verify_len,
-                        1,
-                    )
-                )
-            )  # fmt: skip
-            for c, a in zip(conf[live], act[live], strict=True)
-        ]
-    )
-    oracle, best = oracle_widths(tokens, seconds)
     out: dict[str, Any] = {
         "fixed": [ratio(np.full(len(rows), w)) for w in range(1, k + 1)],
-        "scheduled": ratio(sched),
-        "scheduled_widths": float(sched.mean()),
-        "oracle": best,
-        "oracle_widths": float(oracle.mean()),
-        "rounds": int(len(rows)),
+        "scheduled": {},
+        "scheduled_widths": {},
     }
+    for basis in bases:  # the round's width as the engine takes it: max over active rows
+        widths = np.array(
+            [
+                int(
+                    np.max(
+                        np.where(
+                            a,
+                            schedule_verify_lengths(
+                                c, cost, basis=basis, active_B=a, **kw
+                            ).verify_len,
+                            1,
+                        )
+                    )
+                )  # fmt: skip
+                for c, a in zip(conf[live], act[live], strict=True)
+            ]
+        )
+        out["scheduled"][basis] = ratio(widths)
+        out["scheduled_widths"][basis] = float(widths.mean())
+    oracle, best = oracle_widths(tokens, seconds)
+    out.update(oracle=best, oracle_widths=float(oracle.mean()), rounds=int(len(rows)))
     return out

@@ -9,7 +9,7 @@ slots < pos (`Drafter.context_kv`, written once per accepted position). One roun
      pos .. pos+K-1, attending to context slots [pos - window, pos); the Markov head then
      samples d_1 .. d_K sequentially (`markov_draft`), returning q_k, the exact law of d_k.
      The verify width w is K' ("fixed") or chosen from the confidences alone ("scheduled",
-     `schedule_verify_lengths`, padded basis, on the measured round-cost table). Confidences
+     `schedule_verify_lengths`, `ENGINE_BASIS`, on the measured round-cost table). Confidences
      come from the drafter's pass before any draft is sampled, so w never depends on the
      target or on the sampled drafts and the output law is unchanged (see
      `v41jax.spec.pipeline_audit`);
@@ -39,6 +39,10 @@ from v41jax.model.generate import init_cache
 from v41jax.model.sampling import knob_probs, sample_probs
 from v41jax.model.speculative import _write, extend_output
 from v41jax.spec import speculative_sample
+
+# One verify width per round for the whole padded batch: the scheduler prices exactly that
+# (basis "width": every active row's first w drafts count), not the ragged budget rule.
+ENGINE_BASIS = "width"
 
 
 @dataclass(frozen=True)
@@ -184,13 +188,13 @@ def draft_step(c: Ctx, state: State, st: Static) -> Draft:
         # drafts past a row's last needed token add nothing: pos + 1 + j <= end - 1
         useful = jnp.clip(c.end_B - 2 - state.pos, 0, dcfg.block_size).astype(jnp.int32)
         sched = schedule_verify_lengths(
-            conf, st.cost, basis="padded", active_B=active, useful_B=useful
+            conf, st.cost, basis=ENGINE_BASIS, active_B=active, useful_B=useful
         )
         width = jnp.max(jnp.where(active, sched.verify_len, 1))
     else:
         width = jnp.int32(st.fixed_len)
     # A padded verify costs the same for every row, so every active row verifies `width`
-    # drafts (the scheduler's budget sits at the end of a padded plateau anyway).
+    # drafts (what the "width" basis prices).
     lens = jnp.where(active, width, 0).astype(jnp.int32)
     return Draft(rng, k_verify, drafts, q, conf, lens, width.astype(jnp.int32))
 

@@ -33,6 +33,16 @@ The allocation is still by survival (the same rule for both bases; only the budg
 so rows whose drafts rank below the next slot are not topped up to the maximum even though an
 engine that pads would verify them for free.
 
+Basis "width" is the padded engine's own expectation: one width w for the batch, every active
+row verifies w drafts (as this repository's engine does), so
+
+    tau(w) = B_active + sum_b sum_{j <= w} s[b, j],   throughput(w) = tau(w) / cost(B (1 + w))
+
+over w = 1 .. K, the same argmax and min_gain fallback, verify_len = w for every row. It is
+the budget rule applied to the slots a padded engine actually verifies: "padded" counts only
+the n largest survivals, under-counting wide rounds (on the DSpark experiment's logged rounds
+its choices earned 0.997x the best fixed length, "width" 1.000x; `v41jax.dspark.replay`).
+
 The verify length is a function of the confidences only (draft-side information computed
 before the drafts are sampled), which keeps speculative sampling exact; see
 v41jax/spec/pipeline_audit.py.
@@ -55,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-BASES = ("total", "padded")
+BASES = ("total", "padded", "width")
 
 
 @dataclass(frozen=True)
@@ -212,7 +222,7 @@ def _check_args(confidence, cost, basis, min_gain) -> tuple[int, int]:
 
 def _slot_costs(cost: CostTable, b: int, k: int, basis: str) -> np.ndarray:
     """Static cost per candidate: basis total -> [M + 1] for n = B + m (m = 0..M, M = B(K-1));
-    padded -> [K] for max L = 1..K. Raises if a cost is <= 0 (throughput undefined)."""
+    padded, width -> [K] for max L = 1..K. Raises if a cost is <= 0 (throughput undefined)."""
     if basis == "total":
         tokens = b + b + np.arange(b * (k - 1) + 1)  # B pending tokens + n = B + m drafts
     else:
@@ -292,6 +302,13 @@ def _schedule(
     surv_BxK = jnp.where(useful_BxK, jnp.cumprod(conf_BxK, axis=1), 0.0)
     forced = jnp.sum(surv_BxK[:, 0])
     secs = jnp.asarray(_slot_costs(cost, b, k, basis), jnp.float32)
+    if basis == "width":  # one width for the batch: every row's prefix of w drafts counts
+        tau_w = n_req + jnp.cumsum(jnp.sum(surv_BxK, axis=0))
+        thr_w = tau_w / secs
+        best = jnp.argmax(thr_w)  # the first width on ties
+        best = jnp.where(thr_w[best] > (1.0 + min_gain) * thr_w[k - 1], best, k - 1)
+        w = (best + 1).astype(jnp.int32)
+        return Schedule(jnp.full((b,), w), b * w, tau_w[best], thr_w[best], thr_w[k - 1])
     if m_free == 0:  # K = 1: every request verifies its single draft
         tau = n_req + forced
         thr = tau / secs[0]
@@ -327,8 +344,8 @@ def schedule_reference(
     active=None,
     useful=None,
 ) -> Schedule:
-    """Brute force in float64 numpy over every budget n = B .. B K (for tests); returns a
-    Schedule of numpy values."""
+    """Brute force in float64 numpy over every budget n = B .. B K (basis "width": n = B w)
+    (for tests); returns a Schedule of numpy values."""
     b, k = _check_args(confidence, cost, basis, min_gain)
     act = np.asarray(_check_active(active, b), bool)
     use = np.asarray(_check_useful(useful, b, k))
@@ -338,11 +355,17 @@ def schedule_reference(
     best = None  # (throughput, n, lengths, tau)
     results = []
     for n in range(b, b * k + 1):
-        lengths = np.ones(b, np.int64)
-        tau = act.sum() + surv[:, 0].sum()
-        for neg_s, _, r in free[: n - b]:
-            lengths[r] += 1
-            tau -= neg_s
+        if basis == "width":
+            if n % b:
+                continue  # one width w for every row: budgets n = B w only
+            lengths = np.full(b, n // b, np.int64)
+            tau = act.sum() + surv[:, : n // b].sum()
+        else:
+            lengths = np.ones(b, np.int64)
+            tau = act.sum() + surv[:, 0].sum()
+            for neg_s, _, r in free[: n - b]:
+                lengths[r] += 1
+                tau -= neg_s
         tokens = b + n if basis == "total" else b * (1 + lengths.max())
         secs = cost(tokens)
         if secs <= 0:
