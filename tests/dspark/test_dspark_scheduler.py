@@ -21,7 +21,6 @@ from v41jax.dspark.scheduler import (
     BASES,
     CostTable,
     Schedule,
-    measure_cost_table,
     schedule_reference,
     schedule_verify_lengths,
 )
@@ -301,20 +300,3 @@ def test_scheduler_rejects_a_cost_that_extrapolates_to_zero():
     steep = CostTable((100, 101), (1.0, 2.0))  # 0 s at 99 tokens and below
     with pytest.raises(ValueError, match="<= 0 at 4 tokens"):
         schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), steep)
-
-
-def test_measure_cost_table_times_each_width():
-    widths, batch = [1, 2, 4], 3
-
-    def step_for_width(w):
-        x = jnp.ones((batch * w, 8))
-        f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
-        return lambda: f(x)
-
-    table = measure_cost_table(step_for_width, widths, batch, repeats=3, warmup=1)
-    assert table.tokens == (3, 6, 12)
-    assert all(s > 0 for s in table.seconds)
-    with pytest.raises(ValueError, match=r"widths=\[2, 0\]"):
-        measure_cost_table(step_for_width, [2, 0], batch)
-    with pytest.raises(ValueError, match="repeats=0"):
-        measure_cost_table(step_for_width, widths, batch, repeats=0)

@@ -256,8 +256,8 @@ def measure_round_cost(
     acceptance rule and the context write. Per pass and width: a fresh prefill, then a whole
     decode of `rounds` (K + 1) new tokens at width w as one `_host_segment` (the program the
     scheduled loop runs), timed and divided by the rounds it ran (>= `rounds`; default 16 or
-    as many as max_seq_len holds). The first
-    pass also compiles and is discarded; the cost is the min over the other `passes`.
+    as many as max_seq_len holds). The first pass also compiles and is discarded; the cost is
+    the min over the other `passes`.
 
     Timed inside the loop on purpose: one launch and one sync per round (the old method)
     added a fixed ~10 ms to every width on the dev VM and flattened the table (70/73/72/79/

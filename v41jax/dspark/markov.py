@@ -18,10 +18,11 @@ hidden_k [D] from the drafter's one parallel pass,
 so how strongly x_{k-1} steers draft k depends on the context (a plain bigram bias cannot:
 after "of" the next word depends on what came before). o starts at zero, so an untrained
 contextual head is the plain one. Still O(H D + r V) per step, no transformer pass.
-The bias is the only sequential part of
-drafting: the transformer runs once per round, then K cheap steps of this head sample
-x_1 .. x_K (`markov_draft`). Training uses the same equation teacher-forced on the true
-previous token (`teacher_forced_logits`), so the trained and the sampled q agree.
+
+The bias is the only sequential part of drafting: the transformer runs once per round, then
+K cheap steps of this head sample x_1 .. x_K (`markov_draft`). Training uses the same
+equation teacher-forced on the true previous token (`teacher_forced_logits`), so the
+trained and the sampled q agree.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ round, `CostTable` of B (1 + w) tokens) a per-round width w_r earns
     seconds_r(w) = cost(B (1 + w))                  (rounds with no active row are skipped)
     throughput   = sum_r tokens_r(w_r) / sum_r seconds_r(w_r)
 
-Policies compared on the same rounds: every fixed L; the scheduler (`schedule_verify_lengths`
-on the logged confidences, as the engine calls it: `ENGINE_BASIS`, active rows; or another
-basis for comparison); and the oracle
-bound, the best ratio any per-round choice reaches, even one that sees A (not lossless), so
-an upper bound on every draft-side policy. It is solved exactly by Dinkelbach's method:
+Policies compared on the same rounds: every fixed L; the scheduler on the logged confidences
+as the engine calls it (`rounds.scheduled_width`: `ENGINE_BASIS`, active rows; or another
+basis for comparison); and the oracle bound, the best ratio any per-round choice reaches,
+even one that sees A (not lossless), so an upper bound on every draft-side policy. It is
+solved exactly by Dinkelbach's method:
 lambda* = max ratio is the root of F(lambda) = sum_r max_w [tokens_r(w) - lambda seconds_r(w)];
 iterating lambda <- ratio of the argmax choices increases lambda until F = 0 (finitely many
 choice sets, so it stops).
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from v41jax.dspark.analysis import _check_log
-from v41jax.dspark.rounds import ENGINE_BASIS
-from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
+from v41jax.dspark.rounds import ENGINE_BASIS, scheduled_width
+from v41jax.dspark.scheduler import CostTable
 
 
 def stack_rounds(logs) -> dict[str, np.ndarray]:
@@ -105,8 +105,7 @@ def replay_policies(
     if np.any(length[act] != k):
         bad = np.unique(length[act][length[act] != k])
         raise ValueError(f"the log must verify all K={k} drafts per active row; found {bad}")
-    bad = [b for b in bases if b not in ("padded", "width")]
-    if bad or not bases:
+    if not bases or any(b not in ("padded", "width") for b in bases):
         raise ValueError(f"bases={bases!r}: a padded engine's widths need 'padded' or 'width'")
     tokens, seconds = _round_tables(acc, act, cost, k)
     rows = np.arange(tokens.shape[0])
@@ -120,20 +119,10 @@ def replay_policies(
         "scheduled": {},
         "scheduled_widths": {},
     }
-    for basis in bases:  # the round's width as the engine takes it: max over active rows
+    for basis in bases:  # the round's width as the engine takes it
         widths = np.array(
             [
-                int(
-                    np.max(
-                        np.where(
-                            a,
-                            schedule_verify_lengths(
-                                c, cost, basis=basis, active_B=a, **kw
-                            ).verify_len,
-                            1,
-                        )
-                    )
-                )  # fmt: skip
+                int(scheduled_width(c, cost, a, basis=basis, **kw))
                 for c, a in zip(conf[live], act[live], strict=True)
             ]
         )

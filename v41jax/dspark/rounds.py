@@ -45,6 +45,17 @@ from v41jax.spec import speculative_sample
 ENGINE_BASIS = "width"
 
 
+def scheduled_width(
+    conf_BxK, cost: CostTable, active_B, useful_B=None, basis=ENGINE_BASIS, **kw
+) -> jax.Array:
+    """The round's verify width, int32 scalar: the largest of the scheduler's lengths over the
+    active rows (1 if none is active); `kw` go to `schedule_verify_lengths`."""
+    sched = schedule_verify_lengths(
+        conf_BxK, cost, basis=basis, active_B=active_B, useful_B=useful_B, **kw
+    )
+    return jnp.max(jnp.where(active_B, sched.verify_len, 1))
+
+
 @dataclass(frozen=True)
 class Static:
     """Everything that fixes the compiled shapes and branches (hashable: a jit static arg)."""
@@ -187,10 +198,7 @@ def draft_step(c: Ctx, state: State, st: Static) -> Draft:
     if st.mode == "scheduled":
         # drafts past a row's last needed token add nothing: pos + 1 + j <= end - 1
         useful = jnp.clip(c.end_B - 2 - state.pos, 0, dcfg.block_size).astype(jnp.int32)
-        sched = schedule_verify_lengths(
-            conf, st.cost, basis=ENGINE_BASIS, active_B=active, useful_B=useful
-        )
-        width = jnp.max(jnp.where(active, sched.verify_len, 1))
+        width = scheduled_width(conf, st.cost, active, useful)
     else:
         width = jnp.int32(st.fixed_len)
     # A padded verify costs the same for every row, so every active row verifies `width`

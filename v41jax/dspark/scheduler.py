@@ -53,12 +53,9 @@ from __future__ import annotations
 import functools
 import json
 import math
-import statistics
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,47 +144,6 @@ class CostTable:
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
         return cls.from_dict(json.loads(Path(path).read_text()))
-
-
-def measure_cost_table(
-    step_for_width: Callable[[int], Callable[[], Any]],
-    widths: Sequence[int],
-    batch_size: int,
-    repeats: int = 5,
-    warmup: int = 1,
-) -> CostTable:
-    """Time a verify step per width w (tokens per request): `fn = step_for_width(w)`, `warmup`
-    untimed calls (compilation), then the median over `repeats` timed calls of fn() (waited on
-    with jax.block_until_ready). Widths are timed in the order given (alternate it between
-    calls to spread drift); returns CostTable(tokens = batch_size * w, seconds), by width."""
-    widths = list(widths)
-    if not widths or any(
-        isinstance(w, bool) or not isinstance(w, int | np.integer) or w < 1 for w in widths
-    ):
-        raise ValueError(f"widths={widths} must be a non-empty list of positive ints")
-    widths = [int(w) for w in widths]
-    for name, val, lo in [
-        ("batch_size", batch_size, 1),
-        ("repeats", repeats, 1),
-        ("warmup", warmup, 0),
-    ]:
-        if isinstance(val, bool) or not isinstance(val, int) or val < lo:
-            raise ValueError(f"{name}={val!r} must be an int >= {lo}")
-    # a median of 0 (a call faster than the clock) would be an invalid cost: floor at the tick
-    tick = time.get_clock_info("perf_counter").resolution
-    seconds = []
-    for w in widths:
-        fn = step_for_width(w)
-        for _ in range(warmup):
-            jax.block_until_ready(fn())
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(fn())
-            times.append(time.perf_counter() - start)
-        seconds.append(max(statistics.median(times), tick))
-    by_width = sorted(zip(widths, seconds, strict=True))
-    return CostTable(tuple(batch_size * w for w, _ in by_width), tuple(s for _, s in by_width))
 
 
 class Schedule(NamedTuple):
