@@ -18,3 +18,21 @@ def _shared_cache(tmp_path_factory):
     else:
         os.environ["V41JAX_CACHE"] = str(tmp_path_factory.mktemp("v41jax_cache"))
     yield
+
+
+def accelerator_platform() -> str | None:
+    """"gpu" or "tpu" when the tests run on an accelerator (scripts/device_check.sh), else None."""
+    import jax
+
+    backend = jax.default_backend()
+    return backend if backend in ("gpu", "tpu") else None
+
+
+@pytest.fixture(params=["interpret", "compiled"])
+def interpret(request) -> bool:
+    """Every kernel test runs twice: in the Pallas interpreter (here and in CI) and compiled
+    (its twin, skipped unless an accelerator is present; `scripts/device_check.sh` runs the
+    twins with `-k compiled`). The test receives `interpret` to pass to the kernel."""
+    if request.param == "compiled" and accelerator_platform() is None:
+        pytest.skip("compiled twin: runs on a GPU/TPU (bash scripts/device_check.sh)")
+    return request.param == "interpret"

@@ -20,6 +20,14 @@ from v41jax.engram.config import EngramConfig
 from v41jax.mhc.config import MHCConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+# model.attention_impl: "auto" picks by the platform the program is lowered for (see
+# v41jax.kernels.attention); the others force one implementation.
+ATTENTION_IMPLS = ("auto", "reference", "blockwise", "dot_product", "splash")
+# model.remat_policy: what a block saves for the backward pass (v41jax.model.remat).
+REMAT_POLICIES = (
+    "none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj",
+    "save_out_proj",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -88,7 +96,10 @@ class ModelConfig:
     param_dtype: str = "float32"  # stored params (fp32 master weights with bf16 compute)
     segment_mask: bool = True  # packed documents do not attend to each other
     init_std: float = 0.02
-    remat: bool = False  # recompute block activations in the backward pass
+    attention_impl: str = "auto"  # one of ATTENTION_IMPLS
+    attention_block_size: int = 512  # query/key block of the blockwise and Pallas paths
+    scan_layers: bool = True  # homogeneous runs of blocks under nn.scan
+    remat_policy: str = "none"  # one of REMAT_POLICIES
     # Engram memory before attention at engram.layer_ids (none by default).
     engram: EngramConfig = field(default_factory=EngramConfig)
     # mHC residual streams around every sub-layer (n_streams = 0: plain residual).
@@ -205,8 +216,14 @@ def validate(cfg: Config) -> None:
         not bad_layers,
         f"model.engram.layer_ids={m.engram.layer_ids}: {bad_layers} >= num_layers={m.num_layers}",
     )
-    for name in ("compute_dtype", "param_dtype"):
-        _require(getattr(m, name) in DTYPES, f"model.{name}={getattr(m, name)!r} not in {DTYPES}")
+    for name, allowed in (
+        ("compute_dtype", DTYPES),
+        ("param_dtype", DTYPES),
+        ("attention_impl", ATTENTION_IMPLS),
+        ("remat_policy", REMAT_POLICIES),
+    ):
+        _require(getattr(m, name) in allowed, f"model.{name}={getattr(m, name)!r} not in {allowed}")
+    _require(m.attention_block_size > 0, f"model.attention_block_size={m.attention_block_size}")
     ids = m.moe.layer_ids
     _require(
         len(set(ids)) == len(ids) and all(0 <= i < m.num_layers for i in ids),
@@ -262,6 +279,10 @@ def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
     """Inverse of `to_dict`; unknown keys are an error naming them and the valid ones."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    if cls is ModelConfig and "remat" in d:  # saved before remat_policy replaced the switch
+        d = {k: v for k, v in d.items() if k != "remat"} | {
+            "remat_policy": d.get("remat_policy", "full" if d["remat"] else "none")
+        }
     if unknown := set(d) - names:
         raise KeyError(
             f"unknown config keys {sorted(unknown)} in {prefix or cls.__name__}; "

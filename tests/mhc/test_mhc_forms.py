@@ -14,7 +14,7 @@ from v41jax.config import ModelConfig
 from v41jax.mhc import FORMS, MHCConfig, expand_streams
 from v41jax.mhc.single_pass import single_pass_forward_reference
 from v41jax.model import Transformer, decode_step, prefill
-from v41jax.model.attention import make_attention_mask
+from v41jax.model.attention import AttentionLayout
 from v41jax.model.layers import Embed
 from v41jax.model.transformer import Block
 
@@ -74,7 +74,7 @@ def _single_pass_by_hand(cfg, params):
     embed = Embed(cfg.vocab_size, cfg.d_model)
     x0 = expand_streams(embed.apply({"params": params["embed"]}, TOKENS), cfg.mhc.n_streams)
     arange = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
-    mask = make_attention_mask(arange, arange)
+    layout = AttentionLayout(arange, arange)
     fns, mix_params, scales = [], [], []
     for i in range(cfg.num_layers):
         p = params[f"block_{i}"]
@@ -82,7 +82,7 @@ def _single_pass_by_hand(cfg, params):
         def run(h, p=p, i=i, f=None):
             return Block(cfg, layer_index=i).apply({"params": p}, h, method=f)
 
-        fns.append(lambda h, run=run: run(h, f=lambda m, h: m.attn(h, arange, mask)[0]))
+        fns.append(lambda h, run=run: run(h, f=lambda m, h: m.attn(h, arange, layout)[0]))
         fns.append(lambda h, run=run: run(h, f=lambda m, h: m.ffn(h)))
         mix_params += [p["attn_mix"], p["ffn_mix"]]
         scales += [p["attn_norm"]["scale"], p["ffn_norm"]["scale"]]
@@ -154,7 +154,7 @@ def test_single_pass_with_remat_and_engram():
         jax.grad(lambda p, c=c: jnp.sum(Transformer(c).apply(p, TOKENS, extras=extras).logits))(
             params
         )
-        for c in (cfg, dataclasses.replace(cfg, remat=True))
+        for c in (cfg, dataclasses.replace(cfg, remat_policy="full"))
     ]
     for g, w in zip(*map(jax.tree.leaves, outs), strict=True):
         assert np.all(np.isfinite(g))

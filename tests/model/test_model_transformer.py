@@ -157,7 +157,7 @@ def test_tied_vs_untied_param_count():
 
 
 def test_remat_gives_same_values_and_grads():
-    rcfg = dataclasses.replace(CFG, remat=True)
+    rcfg = dataclasses.replace(CFG, remat_policy="full")
     params, toks = nn.unbox(params_for(CFG)), tokens()
     loss = lambda c: jax.jit(jax.value_and_grad(lambda p: apply_eager(c, p, toks).logits.std()))(
         params

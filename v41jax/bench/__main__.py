@@ -4,6 +4,8 @@ train   training tokens/s and model FLOP/s of a config vs this machine's matmul 
 engram  Engram layer vs an equal-parameter FFN per token; lookup bytes/s vs memcpy
 mhc     residual-path bytes/token and time: plain, naive, fused, single-pass mHC
 verify  speculative verification time vs the read-once bound of the probabilities
+attention  attention implementations: time, compiled memory of the train step vs length
+compile    train-step compile time and program size vs depth (scanned vs unrolled layers)
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ BENCHMARKS = {
     "engram": "v41jax.bench.engram_bench",
     "mhc": "v41jax.bench.mhc_bench",
     "verify": "v41jax.bench.verify_bench",
+    "attention": "v41jax.bench.attention_bench",
+    "compile": "v41jax.bench.compile_bench",
 }
 
 

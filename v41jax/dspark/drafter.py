@@ -37,7 +37,7 @@ from flax import linen as nn
 from v41jax.config import ModelConfig
 from v41jax.dspark.config import DrafterConfig
 from v41jax.dspark.markov import check_token_range
-from v41jax.model.attention import causal_attention
+from v41jax.kernels.attention import causal_attention
 from v41jax.model.layers import RMSNorm, SwiGLU, apply_rope, normal_init
 
 ContextKV = list[dict[str, jax.Array]]

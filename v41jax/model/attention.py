@@ -20,67 +20,17 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from v41jax.kernels.attention import (  # noqa: F401 (re-exported for model users)
+    AttentionLayout,
+    attend,
+    attention_reference,
+    causal_attention,
+    make_attention_mask,
+)
 from v41jax.model.layers import apply_rope, normal_init
 
 Dtype = Any
 KVCache = dict[str, jax.Array]
-
-
-def make_attention_mask(
-    q_positions_BxT: jax.Array,
-    kv_positions_BxS: jax.Array,
-    q_segment_ids_BxT: jax.Array | None = None,
-    kv_segment_ids_BxS: jax.Array | None = None,
-) -> jax.Array:
-    """Boolean [B, T, S]: key s is visible to query t iff `kv_pos[s] <= q_pos[t]` and,
-    when segment ids are given, both lie in the same segment (packed documents).
-
-    Positions here are the order used for causality: token indices without a cache, slot
-    indices (= absolute positions) with one.
-    """
-    mask_BxTxS = kv_positions_BxS[:, None, :] <= q_positions_BxT[:, :, None]
-    if q_segment_ids_BxT is not None:
-        same_BxTxS = q_segment_ids_BxT[:, :, None] == kv_segment_ids_BxS[:, None, :]
-        mask_BxTxS = mask_BxTxS & same_BxTxS
-    return mask_BxTxS
-
-
-def causal_attention(
-    q_BxTxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mask_BxTxS: jax.Array
-) -> jax.Array:
-    """`softmax(q k^T / sqrt(K) + mask) v` with grouped kv heads; returns [B, T, H, K].
-
-    Query head h uses kv head h // R (H reshaped to G x R, no repeated copy of k/v).
-    Scores and softmax in float32; the weighted sum in v's dtype. Causality comes from the
-    mask (see `make_attention_mask`); every query must see at least one key.
-    """
-    b, t, h, k = q_BxTxHxK.shape
-    g = k_BxSxGxK.shape[2]
-    if h % g:
-        raise ValueError(f"num_heads={h} must be a multiple of num_kv_heads={g}")
-    q_BxTxGxRxK = q_BxTxHxK.reshape(b, t, g, h // g, k)
-    scores_BxGxRxTxS = jnp.einsum(
-        "btgrk,bsgk->bgrts", q_BxTxGxRxK, k_BxSxGxK, preferred_element_type=jnp.float32
-    ) * (1.0 / jnp.sqrt(jnp.float32(k)))
-    scores_BxGxRxTxS = jnp.where(
-        mask_BxTxS[:, None, None], scores_BxGxRxTxS, jnp.finfo(jnp.float32).min
-    )
-    probs_BxGxRxTxS = jax.nn.softmax(scores_BxGxRxTxS, axis=-1).astype(v_BxSxGxK.dtype)
-    out_BxTxGxRxK = jnp.einsum("bgrts,bsgk->btgrk", probs_BxGxRxTxS, v_BxSxGxK)
-    return out_BxTxGxRxK.reshape(b, t, h, k)
-
-
-def attention_reference(
-    q_BxTxHxK: jax.Array, k_BxSxGxK: jax.Array, v_BxSxGxK: jax.Array, mask_BxTxS: jax.Array
-) -> jax.Array:
-    """Plain multi-head reference: kv heads repeated to H, all in float32."""
-    r = q_BxTxHxK.shape[2] // k_BxSxGxK.shape[2]
-    k_BxSxHxK = jnp.repeat(k_BxSxGxK, r, axis=2).astype(jnp.float32)
-    v_BxSxHxK = jnp.repeat(v_BxSxGxK, r, axis=2).astype(jnp.float32)
-    q = q_BxTxHxK.astype(jnp.float32)
-    scores_BxHxTxS = jnp.einsum("bthk,bshk->bhts", q, k_BxSxHxK) / jnp.sqrt(q.shape[-1])
-    scores_BxHxTxS = jnp.where(mask_BxTxS[:, None], scores_BxHxTxS, -jnp.inf)
-    return jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores_BxHxTxS, axis=-1), v_BxSxHxK)
 
 
 def update_cache(
@@ -105,7 +55,8 @@ class Attention(nn.Module):
 
     Params: `q` [D, H, K] (embed, heads, head_dim); `k`, `v` [D, G, K] (embed, kv_heads,
     head_dim); `o` [H, K, D] (heads, head_dim, embed).
-    `y = causal_attention(rope(x Wq), rope(x Wk), x Wv, mask) Wo`.
+    `y = attend(rope(x Wq), rope(x Wk), x Wv, layout) Wo` with `impl` one of
+    `v41jax.config.ATTENTION_IMPLS` (see `v41jax.kernels.attention`).
     """
 
     num_heads: int
@@ -116,20 +67,23 @@ class Attention(nn.Module):
     out_init_std: float = 0.02
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    impl: str = "auto"
+    block_size: int = 512
 
     @nn.compact
     def __call__(
         self,
         x_BxTxD: jax.Array,
         positions_BxT: jax.Array,
-        mask_BxTxS: jax.Array,
+        layout: AttentionLayout,
         cache: KVCache | None = None,
         cache_index_B: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, D] -> (y [B, T, D], new cache or None).
 
-        `positions_BxT` drive RoPE. Without a cache S = T; with one, S = cache length and
-        `cache_index_B` gives each row's first write slot.
+        `positions_BxT` drive RoPE; `layout` says which keys each query sees. Without a
+        cache S = T; with one, S = cache length and `cache_index_B` gives each row's first
+        write slot.
         """
         d, h, g, k = x_BxTxD.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
         std, pd = self.init_std, self.param_dtype
@@ -165,7 +119,9 @@ class Attention(nn.Module):
         else:
             k_BxSxGxK, v_BxSxGxK = k_BxTxGxK, v_BxTxGxK
 
-        out_BxTxHxK = causal_attention(q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, mask_BxTxS)
+        out_BxTxHxK = attend(
+            q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, layout, impl=self.impl, block_size=self.block_size
+        )
         out_BxTxHxK = nn.with_logical_constraint(
             out_BxTxHxK, ("batch", "length", "act_heads", None)
         )

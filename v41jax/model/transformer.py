@@ -41,7 +41,7 @@ from v41jax.mhc.layer import (
     single_pass_materialize,
     single_pass_readout,
 )
-from v41jax.model.attention import Attention, KVCache, make_attention_mask
+from v41jax.model.attention import Attention, AttentionLayout, KVCache
 from v41jax.model.layers import Embed, RMSNorm, SwiGLU, normal_init
 from v41jax.model.moe import MoE, expert_width, is_moe_layer
 
@@ -74,7 +74,7 @@ class BlockInputs(NamedTuple):
     """
 
     positions_BxT: jax.Array
-    mask_BxTxS: jax.Array
+    layout: AttentionLayout
     segment_ids_BxT: jax.Array | None = None
     cache_index_B: jax.Array | None = None
     extras: Mapping[str, jax.Array] = {}
@@ -147,6 +147,8 @@ class Block(nn.Module):
             out_init_std=_out_init_std(c),
             dtype=dtype,
             param_dtype=param_dtype,
+            impl=c.attention_impl,
+            block_size=c.attention_block_size,
         )
         self.ffn_norm = norm()
         self.ffn = make_ffn(c, self.ffn_kind)
@@ -180,7 +182,7 @@ class Block(nn.Module):
             return self.attn(
                 self._pre_norm(self.attn_norm, h),
                 inputs.positions_BxT,
-                inputs.mask_BxTxS,
+                inputs.layout,
                 cache,
                 inputs.cache_index_B,
             )
@@ -283,7 +285,7 @@ class Transformer(nn.Module):
                 positions_BxT = arange_BxT
             use_segments = c.segment_mask and segment_ids_BxT is not None
             seg = segment_ids_BxT if use_segments else None
-            mask_BxTxS = make_attention_mask(arange_BxT, arange_BxT, seg, seg)
+            layout = AttentionLayout(arange_BxT, arange_BxT, seg, seg)
             caches: list[KVCache | None] = [None] * c.num_layers
         else:
             if len(cache) != c.num_layers:
@@ -298,12 +300,12 @@ class Transformer(nn.Module):
                 positions_BxT = q_slots_BxT
             s = cache[0]["k"].shape[1]
             kv_slots_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-            mask_BxTxS = make_attention_mask(q_slots_BxT, kv_slots_BxS)
+            layout = AttentionLayout(q_slots_BxT, kv_slots_BxS)
             caches = list(cache)
 
         inputs = BlockInputs(
             positions_BxT=positions_BxT,
-            mask_BxTxS=mask_BxTxS,
+            layout=layout,
             segment_ids_BxT=segment_ids_BxT,
             cache_index_B=cache_index,
             extras=dict(extras or {}),
@@ -326,7 +328,7 @@ class Transformer(nn.Module):
         if single_pass:  # lagged state: X_0 with the one-hot pre-mapping
             x_BxTxD = single_pass_init(x_BxTxD)
 
-        block_cls = nn.remat(Block) if c.remat else Block
+        block_cls = nn.remat(Block) if c.remat_policy != "none" else Block
         new_caches = []
         for i in range(c.num_layers):
             block = block_cls(c, i, ffn_kind_for_layer(c, i), name=f"block_{i}")
