@@ -1,8 +1,11 @@
-"""Engram lookup: every impl (XLA, Pallas interpreted, reference) agrees, values and grads.
+"""Engram lookup: every impl (XLA, Pallas, reference) agrees, values and grads.
 
-Sizes are deliberately odd (R=1009 rows, E=17/24, H=3/6, N=37 or [2, 19] tokens) so no
-dimension is a multiple of a block; Pallas runs interpreted on CPU (cost grows with grid
-steps, so token counts stay small). Compiled-kernel twins run only on their backend.
+Sizes are deliberately odd (R=1009 rows, E=17/24/32, H=3/6, N=37 or [2, 19] tokens) so
+no token count is a multiple of a block. Pallas tests take the ``interpret`` fixture
+(tests/conftest.py): interpreted here (cost grows with grid steps, so token counts stay
+small), compiled twins on a GPU/TPU (``scripts/device_check.sh``, ``-k compiled``), where
+each kernel runs only on its own platform and the Triton one only with power-of-two E.
+Lowering for TPU/GPU at full scale: test_lowering_engram_lookup.py.
 """
 
 import jax
@@ -17,13 +20,34 @@ from v41jax.kernels.engram_lookup import (
     engram_lookup,
     engram_lookup_reference,
 )
-from v41jax.kernels.engram_lookup.kernel import engram_lookup_dma, engram_lookup_vector
+from v41jax.kernels.engram_lookup.kernel import (
+    decode_e4m3,
+    engram_lookup_dma,
+    engram_lookup_vector,
+)
 
 ROWS = 1009
 # (E, H, leading dims of ids)
-SHAPES = [(24, 3, (37,)), (17, 6, (2, 19))]
-# (impl, interpret): on CPU "pallas" resolves to the TPU DMA kernel, interpreted.
-IMPLS = [("xla", False), ("reference", False), ("pallas", True), ("pallas_gpu", True)]
+SHAPES = [(24, 3, (37,)), (17, 6, (2, 19)), (32, 3, (37,))]
+XLA_IMPLS = ["xla", "reference"]
+KERNELS = ["pallas_tpu", "pallas_gpu"]
+NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
+
+
+def _impls(interpret):
+    """(impl, interpret) pairs of one test: the XLA impls once (with the interpreted twin),
+    each Pallas kernel with the fixture's mode."""
+    return [(i, False) for i in XLA_IMPLS if interpret] + [(k, interpret) for k in KERNELS]
+
+
+def _runs(impl, interpret, emb) -> bool:
+    """Whether ``impl`` runs here: interpreted always; compiled only on its own platform,
+    Triton only with power-of-two E."""
+    if interpret or impl in XLA_IMPLS:
+        return True
+    if NATIVE.get(jax.default_backend()) != impl:
+        return False
+    return impl != "pallas_gpu" or not emb & (emb - 1)
 
 
 def _inputs(emb, heads, lead, seed=0, max_id=ROWS):
@@ -38,46 +62,73 @@ def _fp8(table):
     return (table * 50.0).astype(jnp.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
 @pytest.mark.parametrize("emb,heads,lead", SHAPES)
-def test_fp32_matches_reference_exactly(impl, interpret, emb, heads, lead):
+def test_fp32_matches_reference_exactly(interpret, emb, heads, lead):
     table, ids, _ = _inputs(emb, heads, lead)
-    out = engram_lookup(table, ids, impl=impl, interpret=interpret)
-    assert out.shape == (*lead, heads * emb) and out.dtype == jnp.float32
-    np.testing.assert_array_equal(out, engram_lookup_reference(table, ids))
+    want = engram_lookup_reference(table, ids)
+    for impl, interp in _impls(interpret):
+        if not _runs(impl, interp, emb):
+            continue
+        out = engram_lookup(table, ids, impl=impl, interpret=interp)
+        assert out.shape == (*lead, heads * emb) and out.dtype == jnp.float32
+        np.testing.assert_array_equal(out, want, err_msg=impl)
     # The concatenation order: head h occupies columns [h*E, (h+1)*E).
-    np.testing.assert_array_equal(out[..., emb : 2 * emb], table[ids[..., 1]])
+    np.testing.assert_array_equal(want[..., emb : 2 * emb], table[ids[..., 1]])
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
 @pytest.mark.parametrize("emb,heads,lead", SHAPES)
-def test_fp8_dequant_matches_reference_exactly(impl, interpret, emb, heads, lead):
+def test_fp8_dequant_matches_reference_exactly(interpret, emb, heads, lead):
     table, ids, scale = _inputs(emb, heads, lead, seed=1)
     q = _fp8(table)
-    out = engram_lookup(q, ids, scale, impl=impl, interpret=interpret)
-    np.testing.assert_array_equal(out, engram_lookup_reference(q, ids, scale))
     expect = q[ids].astype(jnp.float32) * scale[ids][..., None]
-    np.testing.assert_array_equal(out, expect.reshape(*lead, heads * emb))
+    np.testing.assert_array_equal(
+        engram_lookup_reference(q, ids, scale), expect.reshape(*lead, heads * emb)
+    )
+    for impl, interp in _impls(interpret):
+        if _runs(impl, interp, emb) and not (impl == "pallas_gpu" and emb % 2):
+            out = engram_lookup(q, ids, scale, impl=impl, interpret=interp)
+            np.testing.assert_array_equal(out, expect.reshape(out.shape), err_msg=impl)
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
-def test_bf16_out_and_table(impl, interpret):
-    table, ids, scale = _inputs(24, 3, (37,), seed=2)
+def test_fp8_decode_is_exact_for_every_byte():
+    """The GPU kernel's in-kernel FP8 decode (uint16 pairs) equals XLA's conversion for all
+    256 bit patterns, NaNs, signed zeros and subnormals included."""
+    bits = np.arange(256, dtype=np.uint8)
+    want = jnp.asarray(bits.view(jnp.float8_e4m3fn)).astype(jnp.float32)
+    got = decode_e4m3(jnp.asarray(bits, jnp.uint32))
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+    np.testing.assert_array_equal(got, want)
+    table = jnp.asarray(np.stack([bits, bits[::-1]]).view(jnp.float8_e4m3fn))  # [2, 256]
+    ids = jnp.asarray([[1, 0], [0, 0], [1, 1]], jnp.int32)
+    out = engram_lookup_vector(table, ids, block_tokens=2, interpret=True)
+    np.testing.assert_array_equal(out, engram_lookup_reference(table, ids))
+
+
+def test_bf16_out_and_table(interpret):
+    table, ids, scale = _inputs(32, 3, (37,), seed=2)
     table = table.astype(jnp.bfloat16)
-    for s in (None, scale):
-        out = engram_lookup(table, ids, s, impl=impl, interpret=interpret, out_dtype=jnp.bfloat16)
-        assert out.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(out, engram_lookup_reference(table, ids, s, jnp.bfloat16))
+    for impl, interp in _impls(interpret):
+        if not _runs(impl, interp, 32):
+            continue
+        for s in (None, scale):
+            out = engram_lookup(table, ids, s, impl=impl, interpret=interp, out_dtype=jnp.bfloat16)
+            assert out.dtype == jnp.bfloat16
+            want = engram_lookup_reference(table, ids, s, jnp.bfloat16)
+            np.testing.assert_array_equal(out, want, err_msg=impl)
 
 
 def _loss(lookup, table, ids, scale, weights):
     return jnp.sum(weights * jnp.sin(lookup(table, ids, scale)))
 
 
-@pytest.mark.parametrize("impl,interpret", IMPLS)
+@pytest.mark.parametrize("impl", XLA_IMPLS + KERNELS)
 @pytest.mark.parametrize("with_scale", [False, True])
-def test_grads_match_reference_with_duplicates(impl, interpret, with_scale):
-    emb, heads, lead = 17, 3, (2, 19)
+def test_grads_match_reference_with_duplicates(interpret, impl, with_scale):
+    emb, heads, lead = 16, 3, (2, 19)
+    if impl in XLA_IMPLS and not interpret:
+        pytest.skip("XLA impls: one run (the interpreted twin)")
+    if not _runs(impl, interpret, emb):
+        pytest.skip(f"compiled {impl} does not run on {jax.default_backend()}")
     # Ids from 40 rows only: most rows are hit many times, so duplicates must accumulate.
     table, ids, scale = _inputs(emb, heads, lead, seed=3, max_id=40)
     scale = scale if with_scale else None
@@ -108,21 +159,35 @@ def test_fp8_table_gets_zero_grad_scale_gets_its_grad():
     np.testing.assert_allclose(d_s, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("impl,interpret", [("xla", False), ("pallas", True)])
-def test_under_jit(impl, interpret):
-    table, ids, scale = _inputs(24, 6, (2, 19), seed=6)
+@pytest.mark.parametrize("impl", ["auto", "xla", "pallas"])
+def test_under_jit(interpret, impl):
+    """One jitted program; "auto" and "pallas" pick the kernel of the platform it runs on."""
+    table, ids, scale = _inputs(32, 6, (2, 19), seed=6)
+    if impl != "pallas" and not interpret:
+        pytest.skip("XLA impls: one run (the interpreted twin)")
     fn = jax.jit(lambda t, i, s: engram_lookup(t, i, s, impl=impl, interpret=interpret))
     np.testing.assert_array_equal(fn(table, ids, scale), engram_lookup_reference(table, ids, scale))
 
 
-def test_dma_kernel_odd_blocks_and_chunked_calls():
+def test_dma_kernel_odd_blocks_and_chunked_calls(interpret):
+    if not _runs("pallas_tpu", interpret, 17):
+        pytest.skip("compiled DMA kernel: TPU only")
     table, ids, scale = _inputs(17, 3, (37,), seed=7)
     want = engram_lookup_reference(table, ids, scale)
-    # 5 tokens per step (37 = 7*5 + a tail of 2), the ids split over two pallas_calls.
-    out = engram_lookup_dma(table, ids, scale, block_tokens=5, interpret=True, max_ids_per_call=60)
+    # 8 tokens per step (37 = 4*8 + a tail of 5), the ids split over two pallas_calls.
+    out = engram_lookup_dma(
+        table, ids, scale, block_tokens=8, interpret=interpret, max_ids_per_call=60
+    )
     np.testing.assert_array_equal(out, want)
-    out = engram_lookup_vector(table, ids, scale, block_tokens=16, interpret=True)
-    np.testing.assert_array_equal(out, want)
+
+
+def test_vector_kernel_odd_blocks(interpret):
+    if not _runs("pallas_gpu", interpret, 16):
+        pytest.skip("compiled vector kernel: GPU only")
+    table, ids, scale = _inputs(16, 3, (37,), seed=7)
+    for t in (table, _fp8(table)):
+        out = engram_lookup_vector(t, ids, scale, block_tokens=16, interpret=interpret)
+        np.testing.assert_array_equal(out, engram_lookup_reference(t, ids, scale))
 
 
 def test_cpu_touch_gather_path(monkeypatch):
@@ -162,22 +227,37 @@ def test_empty_ids():
     assert out.shape == (0, 72)
 
 
-def test_impl_dispatch(monkeypatch):
+def test_impl_choice_per_platform():
+    """The static choice of each platform's branch (which one runs is decided at lowering,
+    see test_lowering_engram_lookup.py); the touch gather is CPU only."""
     table24, _, _ = _inputs(24, 3, (1,))
     table32 = jnp.zeros((ROWS, 32))
-    resolve = lookup_api._resolve_impl
-    assert resolve("auto", False, table24, None, 3) == "xla"  # CPU: XLA gather
-    with pytest.raises(ValueError, match="interpret=True"):
-        engram_lookup(table24, jnp.zeros((4, 3), jnp.int32), impl="pallas")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert resolve("auto", False, table32, None, 3) == "pallas_gpu"
-    assert resolve("auto", False, table24, None, 3) == "xla"  # Triton needs power-of-two E
+    big = jax.ShapeDtypeStruct((1 << 20, 32), jnp.float32)  # 128 MiB: touch-gather size
+    choose = lambda impl, t, bt=None, interp=False: {  # noqa: E731
+        p: c.impl for p, c in lookup_api._choose(impl, interp, t, bt, 3, 3 << 13, True).items()
+    }
+    assert choose("auto", table32) == {"cpu": "xla", "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
+    # Triton needs power-of-two E: "auto" falls back to XLA there, "pallas" errors there.
+    assert choose("auto", table24) == {"cpu": "xla", "cuda": "xla", "tpu": "pallas_tpu"}
+    assert choose("pallas", table24) == {"cpu": "error", "cuda": "error", "tpu": "pallas_tpu"}
+    assert choose("pallas", table24, interp=True) == {
+        "cpu": "pallas_tpu",
+        "cuda": "pallas_gpu",
+        "tpu": "pallas_tpu",
+    }
+    touch = {
+        p: c.touch_chunk
+        for p, c in lookup_api._choose("auto", False, big, None, 3, 3 << 13, False).items()
+    }
+    assert touch == {"cpu": lookup_api.TOUCH_CHUNK_ROWS, "cuda": 0, "tpu": 0}
     with pytest.raises(ValueError, match="power-of-two E.*E=24"):
-        resolve("pallas", False, table24, None, 3)
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert resolve("auto", False, table24, None, 3) == "pallas_tpu"
+        engram_lookup(table24, jnp.zeros((4, 3), jnp.int32), impl="pallas_gpu")
     with pytest.raises(ValueError, match="multiple of 8.*block_tokens=3, H=3"):
-        resolve("pallas", False, table24, 3, 3)
+        engram_lookup(table24, jnp.zeros((4, 3), jnp.int32), impl="pallas_tpu", block_tokens=3)
+    # Compiled Pallas lowered for CPU: a clear error when it is lowered (here: run eagerly).
+    if jax.default_backend() == "cpu":
+        with pytest.raises(ValueError, match="no compiled kernel for 'cpu'.*interpret=True"):
+            engram_lookup(table24, jnp.zeros((4, 3), jnp.int32), impl="pallas")
 
 
 @pytest.mark.parametrize(
@@ -217,17 +297,3 @@ def test_check_ids():
         check_ids(np.array([[0, 4], [5, -1]]), 5)
     with pytest.raises(ValueError, match="id -1"):
         check_ids(jnp.array([-1]), 5)
-
-
-@pytest.mark.parametrize(
-    "backend,impl,emb",
-    [("tpu", "pallas_tpu", 24), ("gpu", "pallas_gpu", 32)],
-)
-def test_compiled_kernel_matches_reference(backend, impl, emb):
-    """The compiled twin of the interpreted tests; runs only on its own backend."""
-    if jax.default_backend() != backend:
-        pytest.skip(f"compiled {impl} needs a {backend.upper()}")
-    table, ids, scale = _inputs(emb, 3, (37,), seed=9)
-    for t, s in ((table, None), (_fp8(table), scale)):
-        out = engram_lookup(t, ids, s, impl=impl)
-        np.testing.assert_array_equal(out, engram_lookup_reference(t, ids, s))

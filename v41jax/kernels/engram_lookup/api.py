@@ -10,11 +10,19 @@ Implementations (``impl``):
                16 MiB and more, the rows are gathered in chunks whose cache lines are touched
                first (``_gather_rows_touched``): 3x the bytes/s of ``jnp.take`` for a 1 GiB
                table on the 2-core dev box (1.6 vs 0.5 GB/s; memcpy 12 GB/s).
-  "pallas"     the Pallas kernel of the backend: ``engram_lookup_dma`` on TPU (and, with
+  "pallas"     the Pallas kernel of the platform: ``engram_lookup_dma`` on TPU (and, with
                ``interpret=True``, on CPU), ``engram_lookup_vector`` on GPU.
   "pallas_tpu" / "pallas_gpu"  pick one of the two kernels explicitly (tests, debugging).
   "reference"  ``engram_lookup_reference`` (plain jnp indexing).
   "auto"       "xla" on CPU; "pallas" on TPU/GPU when the kernel takes the shape, else "xla".
+
+Dispatch is by the platform the program is LOWERED for (``platforms.by_platform``), not
+the default backend at trace time: one jitted call lowered for TPU, GPU or CPU holds the
+kernel of that platform, and only the CPU branch has the CPU touch gather. A Pallas
+choice a platform cannot compile (``impl="pallas_tpu"`` lowered for CPU without
+``interpret=True``, a shape the kernel cannot take under ``impl="pallas"``) raises a
+ValueError naming the limit when the program is lowered for that platform; an explicit
+``"pallas_tpu"``/``"pallas_gpu"`` with a shape its kernel cannot take raises at the call.
 
 Gradient (every impl): a ``jax.custom_vjp`` whose backward scatter-adds the output
 cotangent rows into a table-shaped gradient, ``d_table = zeros.at[ids].add(g * s[ids])``
@@ -31,6 +39,7 @@ the Pallas kernels may read outside the table. Call ``check_ids`` on host data t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -39,6 +48,7 @@ import numpy as np
 from jax import lax
 
 from v41jax.kernels.engram_lookup import kernel as _kernel
+from v41jax.kernels.engram_lookup.platforms import by_platform, unsupported
 from v41jax.kernels.engram_lookup.reference import engram_lookup_reference
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "reference")
@@ -117,39 +127,63 @@ def _lookup_xla(table_RxE, ids_M, row_scale_R, out_dtype, touch_chunk: int) -> j
 
 
 def _touch_chunk(table, num_ids: int) -> int:
-    """Chunk size of the CPU touch gather for this call, 0 where a flat gather is better."""
+    """Chunk size of the CPU touch gather for this call, 0 where a flat gather is better.
+    Used only in the CPU branch: accelerators gather at full bandwidth without it."""
     big_table = table.size * table.dtype.itemsize >= TOUCH_MIN_TABLE_BYTES
-    if jax.default_backend() != "cpu" or table.dtype.itemsize != 4 or not big_table:
+    if table.dtype.itemsize != 4 or not big_table:
         return 0
     return TOUCH_CHUNK_ROWS if num_ids >= 2 * TOUCH_CHUNK_ROWS else 0
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Static choices of one call (hashable: it is a nondiff argument of the custom_vjp)."""
+class _Choice:
+    """What one platform's branch runs (hashable, as part of the custom_vjp's _Plan)."""
 
-    impl: str  # resolved: xla | pallas_tpu | pallas_gpu | reference
+    impl: str  # xla | pallas_tpu | pallas_gpu | reference | error
+    interpret: bool = False
+    touch_chunk: int = 0  # xla impl: CPU touch-gather chunk, 0 = one flat gather
+    error: str = ""  # impl "error": the ValueError raised when this branch is lowered
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static choices of one call (a nondiff argument of the custom_vjp)."""
+
     heads: int
     out_dtype: Any
-    interpret: bool
     block_tokens: int | None
-    touch_chunk: int = 0  # xla impl: CPU touch-gather chunk, 0 = one flat gather
+    cpu: _Choice
+    cuda: _Choice
+    tpu: _Choice
+
+
+def _run(plan: _Plan, choice: _Choice, table_RxE, ids_M, row_scale_R) -> jax.Array:
+    """One platform's branch: ``[M]`` flat ids (token-major, head-minor) -> ``[M // H, H*E]``."""
+    ids_NxH = ids_M.reshape(-1, plan.heads)
+    out_shape = (ids_NxH.shape[0], plan.heads * table_RxE.shape[1])
+    if choice.impl == "error":
+        return unsupported(choice.error, [jax.ShapeDtypeStruct(out_shape, plan.out_dtype)])[0]
+    kwargs = dict(out_dtype=plan.out_dtype, interpret=choice.interpret)
+    if plan.block_tokens is not None:
+        kwargs["block_tokens"] = plan.block_tokens
+    if choice.impl == "pallas_tpu":
+        return _kernel.engram_lookup_dma(table_RxE, ids_NxH, row_scale_R, **kwargs)
+    if choice.impl == "pallas_gpu":
+        return _kernel.engram_lookup_vector(table_RxE, ids_NxH, row_scale_R, **kwargs)
+    if choice.impl == "reference":
+        return engram_lookup_reference(table_RxE, ids_NxH, row_scale_R, plan.out_dtype)
+    out_MxE = _lookup_xla(table_RxE, ids_M, row_scale_R, plan.out_dtype, choice.touch_chunk)
+    return out_MxE.reshape(out_shape)
 
 
 def _forward(plan: _Plan, table_RxE, ids_M, row_scale_R) -> jax.Array:
-    """``[M]`` flat ids (token-major, head-minor) -> ``[M // H, H*E]``."""
-    ids_NxH = ids_M.reshape(-1, plan.heads)
-    kwargs = dict(out_dtype=plan.out_dtype, interpret=plan.interpret)
-    if plan.block_tokens is not None:
-        kwargs["block_tokens"] = plan.block_tokens
-    if plan.impl == "pallas_tpu":
-        return _kernel.engram_lookup_dma(table_RxE, ids_NxH, row_scale_R, **kwargs)
-    if plan.impl == "pallas_gpu":
-        return _kernel.engram_lookup_vector(table_RxE, ids_NxH, row_scale_R, **kwargs)
-    if plan.impl == "reference":
-        return engram_lookup_reference(table_RxE, ids_NxH, row_scale_R, plan.out_dtype)
-    out_MxE = _lookup_xla(table_RxE, ids_M, row_scale_R, plan.out_dtype, plan.touch_chunk)
-    return out_MxE.reshape(ids_NxH.shape[0], -1)
+    branch = lambda choice: functools.partial(_run, plan, choice)  # noqa: E731
+    return by_platform(
+        (table_RxE, ids_M, row_scale_R),
+        cpu=branch(plan.cpu),
+        cuda=branch(plan.cuda),
+        tpu=branch(plan.tpu),
+    )
 
 
 _lookup = jax.custom_vjp(_forward, nondiff_argnums=(0,))
@@ -211,8 +245,8 @@ def _validate(table, ids, row_scale, out_dtype, block_tokens) -> None:
         raise ValueError(f"engram_lookup: out_dtype must be floating point, got {out_dtype}")
 
 
-def _pallas_shape_error(kind: str, table, block_tokens: int | None, heads: int) -> str | None:
-    """Why the compiled ``kind`` kernel cannot take these shapes, or None if it can."""
+def _pallas_shape_error(kind: str, table, block_tokens: int | None, heads: int, scaled) -> str:
+    """Why the compiled ``kind`` kernel cannot take these shapes ("" if it can)."""
     emb = table.shape[1]
     if kind == "pallas_gpu":
         bt = block_tokens or 32
@@ -221,6 +255,13 @@ def _pallas_shape_error(kind: str, table, block_tokens: int | None, heads: int) 
                 f"the GPU (Triton) kernel needs power-of-two E and block_tokens, got "
                 f"E={emb}, block_tokens={bt}"
             )
+        if bt * emb > _kernel.TRITON_MAX_NUMEL:
+            return (
+                f"the GPU (Triton) kernel loads (block_tokens, E) = ({bt}, {emb}) tiles, over "
+                f"Triton's {_kernel.TRITON_MAX_NUMEL} elements per tensor"
+            )
+        if table.dtype == jnp.float8_e4m3fn and emb < 2:
+            return f"the GPU kernel reads FP8 rows as byte pairs: needs E >= 2, got E={emb}"
     if kind == "pallas_tpu":
         bt = block_tokens or 8
         if (bt * heads) % 8:
@@ -228,32 +269,56 @@ def _pallas_shape_error(kind: str, table, block_tokens: int | None, heads: int) 
                 f"the TPU kernel needs block_tokens*H to be a multiple of 8 (sublane tiling), "
                 f"got block_tokens={bt}, H={heads}"
             )
-    return None
+        vmem = _kernel.dma_vmem_bytes(bt * heads, emb, table.dtype, jnp.float32, scaled)
+        if vmem > _kernel.TPU_MAX_VMEM:
+            return (
+                f"the TPU kernel's blocks of block_tokens*H = {bt * heads} rows of E={emb} need "
+                f"{vmem >> 20} MiB of VMEM, over its {_kernel.TPU_MAX_VMEM >> 20} MiB limit"
+            )
+    return ""
 
 
-def _resolve_impl(impl: str, interpret: bool, table, block_tokens, heads) -> str:
+_KERNEL_OF = {"cpu": None, "cuda": "pallas_gpu", "tpu": "pallas_tpu"}
+_COMPILES_ON = {"pallas_tpu": "TPU", "pallas_gpu": "GPU (cuda/rocm)"}
+
+
+def _choose(impl, interpret, table, block_tokens, heads, num_ids, scaled) -> dict:
+    """{platform: _Choice} for ``impl`` (see the module docstring)."""
     if impl not in IMPLS:
         raise ValueError(f"engram_lookup: impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
-    kernel_of_backend = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
-    if impl == "auto":
-        kind = kernel_of_backend.get(backend)
-        if kind is None or _pallas_shape_error(kind, table, block_tokens, heads):
-            return "xla"
-        return kind
-    if impl == "pallas":
-        impl = kernel_of_backend.get(backend, "pallas_tpu")
-    if impl.startswith("pallas") and not interpret:
-        if kernel_of_backend.get(backend) != impl:
-            raise ValueError(
-                f"engram_lookup: impl={impl!r} compiles only on "
-                f"{'TPU' if impl == 'pallas_tpu' else 'GPU'}, default backend is {backend!r}; "
-                "pass interpret=True to run it in the Pallas interpreter, or use impl='xla'"
+    reason = lambda kind: _pallas_shape_error(kind, table, block_tokens, heads, scaled)  # noqa: E731
+    if impl in ("pallas_tpu", "pallas_gpu") and not interpret and reason(impl):
+        raise ValueError(f"engram_lookup: {reason(impl)}; use impl='xla' for this shape")
+    choices = {}
+    for platform, native in _KERNEL_OF.items():
+        if impl in ("xla", "reference") or (impl == "auto" and native is None):
+            touch = _touch_chunk(table, num_ids) if platform == "cpu" and impl != "reference" else 0
+            choices[platform] = _Choice(impl if impl == "reference" else "xla", touch_chunk=touch)
+            continue
+        if impl == "auto":
+            choices[platform] = _Choice("xla" if reason(native) else native)
+            continue
+        kind = (native or "pallas_tpu") if impl == "pallas" else impl
+        if interpret:
+            choices[platform] = _Choice(kind, interpret=True)
+        elif kind != native:
+            where = (
+                f"has no compiled kernel for {platform!r}"
+                if impl == "pallas"
+                else f"compiles only for {_COMPILES_ON[kind]}, this program is lowered for "
+                f"{platform!r}"
             )
-        reason = _pallas_shape_error(impl, table, block_tokens, heads)
-        if reason:
-            raise ValueError(f"engram_lookup: {reason}; use impl='xla' for this shape")
-    return impl
+            msg = (
+                f"engram_lookup: impl={impl!r} {where}; pass interpret=True to run it in the "
+                "Pallas interpreter, or use impl='xla'"
+            )
+            choices[platform] = _Choice("error", error=msg)
+        elif reason(kind):
+            msg = f"engram_lookup (lowered for {platform!r}): {reason(kind)}; use impl='xla'"
+            choices[platform] = _Choice("error", error=msg)
+        else:
+            choices[platform] = _Choice(kind)
+    return choices
 
 
 def engram_lookup(
@@ -273,7 +338,8 @@ def engram_lookup(
       ids: ``[..., H]`` integer row ids, head offsets already added; each in ``[0, R)``
         (not checked under jit; see ``check_ids``).
       row_scale: optional ``[R]`` float32 per-row scale: ``row = table[r].astype(f32) * s[r]``.
-      impl: "auto" | "xla" | "pallas" | "pallas_tpu" | "pallas_gpu" | "reference".
+      impl: "auto" | "xla" | "pallas" | "pallas_tpu" | "pallas_gpu" | "reference"; chosen
+        per lowering platform (module docstring).
       interpret: run a Pallas impl in the Pallas interpreter (CPU tests).
       out_dtype: dtype of the result (dequantisation itself is in float32).
       block_tokens: tokens per Pallas grid step (kernel default when None).
@@ -284,15 +350,8 @@ def engram_lookup(
     row_scale = None if row_scale is None else jnp.asarray(row_scale)
     _validate(table, ids, row_scale, out_dtype, block_tokens)
     heads, emb = ids.shape[-1], table.shape[1]
-    resolved = _resolve_impl(impl, interpret, table, block_tokens, heads)
-    plan = _Plan(
-        impl=resolved,
-        heads=heads,
-        out_dtype=jnp.dtype(out_dtype),
-        interpret=interpret,
-        block_tokens=block_tokens,
-        touch_chunk=_touch_chunk(table, ids.size) if resolved == "xla" else 0,
-    )
+    choices = _choose(impl, interpret, table, block_tokens, heads, ids.size, row_scale is not None)
+    plan = _Plan(heads, jnp.dtype(out_dtype), block_tokens, **choices)
     lead = ids.shape[:-1]
     if ids.size == 0:
         return jnp.zeros((*lead, heads * emb), out_dtype)

@@ -1,6 +1,6 @@
 """Pallas kernels for the Engram lookup: gather H rows per token, dequantise, concatenate.
 
-Equation (REFERENCE.md §1, "Embedding"): for token t with flat-table row ids ``ids[t, h]``
+Equation (``reference.py``): for token t with flat-table row ids ``ids[t, h]``
 (head offsets already added) and an optional per-row FP8 scale ``s``::
 
     out[t, h*E:(h+1)*E] = table[ids[t, h]].astype(f32) * s[ids[t, h]]        (h = 0..H-1)
@@ -21,12 +21,17 @@ copies of a block are in flight together, which is what hides HBM latency for ti
 take integer-array indices, so the gather is a vector load. Grid ``(ceil(N / bt),)``: step
 ``b`` loads its ids block ``(bt, H)`` and, for each head ``h`` (static loop), loads the
 ``(bt, E)`` rows ``table[ids[:, h]]`` (and ``(bt,)`` scales) straight from global memory
-and stores them into columns ``[h*E, (h+1)*E)`` of output block ``(bt, H*E)``.
+and stores them into columns ``[h*E, (h+1)*E)`` of output block ``(bt, H*E)``. FP8 tables
+are read as ``uint16`` pairs ``[R, E/2]`` and decoded in the kernel (``decode_e4m3``): the
+Triton lowering indexes arrays of up to 4 GiB with signed 32-bit element offsets, which
+wrap past 2^31 elements, i.e. for a 1-byte table of 2-4 GiB (the 2^24 x 256 FP8 table is
+exactly 4 GiB); in 2-byte units the largest offset is 2^31 - 1.
 
 Both pad the token count up to a multiple of ``bt`` with id 0 (a valid row) and slice
-the padding off, so any N works. Verified here in interpret mode only (the TPU
-interpreter also checks semaphore balance and races); the compiled twins in the tests run
-only on their hardware. Ids are not range-checked: an out-of-range id is
+the padding off, so any N works. Verified here in interpret mode (the TPU
+interpreter also checks semaphore balance and races) and by lowering for TPU and CUDA at
+full scale (``tests/kernels/test_lowering_engram_lookup.py``); the compiled twins in the
+tests run only on their hardware. Ids are not range-checked: an out-of-range id is
 undefined behaviour (a DMA/load outside the table); see ``api.check_ids``.
 """
 
@@ -44,6 +49,43 @@ from jax.experimental.pallas import triton as pltriton
 # Ids per pallas_call of the DMA kernel: they all sit in SMEM (4 bytes each), which holds
 # well under 1 MiB on current TPUs, so longer id lists are split into several calls.
 MAX_IDS_PER_DMA_CALL = 1 << 15
+# Scoped VMEM a TPU kernel gets without asking (16 MiB on v5e, the smallest), and the most
+# this kernel asks for (v7x has 64 MiB per core; Mosaic needs some for itself).
+TPU_DEFAULT_SCOPED_VMEM = 16 << 20
+TPU_MAX_VMEM = 48 << 20
+# Elements of one Triton tensor (Triton's TRITON_MAX_TENSOR_NUMEL).
+TRITON_MAX_NUMEL = 1 << 20
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def tpu_vmem_bytes(rows: int, cols: int, dtype) -> int:
+    """Bytes of a ``[rows, cols]`` VMEM buffer after (8 * packing, 128) tiling."""
+    itemsize = jnp.dtype(dtype).itemsize
+    return _round_up(rows, 8 * max(1, 4 // itemsize)) * _round_up(cols, 128) * itemsize
+
+
+def dma_vmem_bytes(rows_per_block: int, emb: int, dtype, out_dtype, has_scale: bool) -> int:
+    """VMEM of one ``engram_lookup_dma`` call: the two row slots (+ scale slots) and the
+    double-buffered output block."""
+    total = 2 * tpu_vmem_bytes(rows_per_block, emb, dtype)
+    total += 2 * tpu_vmem_bytes(rows_per_block, emb, out_dtype)
+    if has_scale:
+        total += 2 * tpu_vmem_bytes(rows_per_block, 1, jnp.float32)
+    return total
+
+
+def lookup_cost(num_ids: int, emb: int, dtype, out_dtype, has_scale: bool) -> pl.CostEstimate:
+    """XLA's view of one lookup call: bytes of the gathered rows read, the output written,
+    the ids (and scales) read; one multiply per element when dequantising."""
+    elems = num_ids * emb
+    nbytes = elems * (jnp.dtype(dtype).itemsize + jnp.dtype(out_dtype).itemsize)
+    nbytes += num_ids * 4 * (2 if has_scale else 1)
+    return pl.CostEstimate(
+        flops=elems if has_scale else 0, transcendentals=0, bytes_accessed=nbytes
+    )
 
 
 def _pad_tokens(ids_NxH: jax.Array, block_tokens: int) -> tuple[jax.Array, int]:
@@ -137,6 +179,16 @@ def _dma_call(table_RxE, ids_M, scale_Rx1, *, rows_per_block, out_dtype, interpr
         _dma_kernel, rows_per_block=rows_per_block, has_scale=has_scale, out_dtype=out_dtype
     )
     operands = (table_RxE, scale_Rx1) if has_scale else (table_RxE,)
+    vmem = dma_vmem_bytes(rows_per_block, emb, table_RxE.dtype, out_dtype, has_scale)
+    if vmem > TPU_MAX_VMEM:
+        raise ValueError(
+            f"engram_lookup_dma: {rows_per_block} rows per block of E={emb} need {vmem >> 20} "
+            f"MiB of VMEM, over the {TPU_MAX_VMEM >> 20} MiB limit; lower block_tokens"
+        )
+    # Ask for more scoped VMEM only when the default would not hold the buffers.
+    limit = (
+        _round_up(vmem + vmem // 4, 1 << 20) if vmem > TPU_DEFAULT_SCOPED_VMEM * 3 // 4 else None
+    )
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -148,7 +200,10 @@ def _dma_call(table_RxE, ids_M, scale_Rx1, *, rows_per_block, out_dtype, interpr
         ),
         out_shape=jax.ShapeDtypeStruct((num_ids, emb), out_dtype),
         # Sequential grid: step b prefetches block b+1 into the slot step b+1 reads.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=limit
+        ),
+        cost_estimate=lookup_cost(num_ids, emb, table_RxE.dtype, out_dtype, has_scale),
         interpret=interpret,
     )(ids_M, *operands)
 
@@ -196,12 +251,36 @@ def engram_lookup_dma(
 # --------------------------------------------------------------------------------------
 
 
-def _vector_kernel(ids_ref, table_ref, *refs, heads: int, emb: int, has_scale: bool, out_dtype):
+def decode_e4m3(byte_u32: jax.Array) -> jax.Array:
+    """float8_e4m3fn bit patterns (in the low byte of a uint32) -> float32, exactly.
+
+    e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal
+    (m * 2^-9), S.1111.111 is NaN, there is no infinity. A normal value is re-biased into
+    a float32 bit pattern (exponent + 120, mantissa shifted to the top of 23 bits).
+    """
+    exp, man = (byte_u32 >> 3) & 0xF, byte_u32 & 0x7
+    normal = lax.bitcast_convert_type(((exp + 120) << 23) | (man << 20), jnp.float32)
+    mag = jnp.where(exp == 0, man.astype(jnp.float32) * (2.0**-9), normal)
+    mag = jnp.where((exp == 15) & (man == 7), jnp.nan, mag)
+    return jnp.where((byte_u32 & 0x80) != 0, -mag, mag)
+
+
+def _vector_kernel(
+    ids_ref, table_ref, *refs, heads: int, emb: int, has_scale: bool, fp8_pairs: bool, out_dtype
+):
     scale_ref, out_ref = refs if has_scale else (None, refs[0])
     for h in range(heads):  # static: H is small and each head writes its own column range
         idx = ids_ref[:, h]  # [bt]
         scale = scale_ref[idx][:, None] if has_scale else None
-        out_ref[:, h * emb : (h + 1) * emb] = _dequantise(table_ref[idx, :], scale, out_dtype)
+        if not fp8_pairs:
+            out_ref[:, h * emb : (h + 1) * emb] = _dequantise(table_ref[idx, :], scale, out_dtype)
+            continue
+        # uint16 j of a row holds FP8 elements 2j (low byte) and 2j+1 (high byte): decode
+        # both and store them to the even / odd columns of the head's range.
+        pairs = table_ref[idx, :].astype(jnp.uint32)  # [bt, E/2]
+        for half, byte in ((0, pairs & 0xFF), (1, pairs >> 8)):
+            cols = pl.ds(h * emb + half, emb // 2, stride=2)
+            out_ref[:, cols] = _dequantise(decode_e4m3(byte), scale, out_dtype)
 
 
 def engram_lookup_vector(
@@ -217,24 +296,36 @@ def engram_lookup_vector(
     """GPU kernel: ``[R, E]`` table, ``[N, H]`` int ids, optional ``[R]`` scale -> ``[N, H*E]``.
 
     Block: ``block_tokens`` tokens per program; each load/store is ``(block_tokens, E)``,
-    which the Triton lowering needs to be a power of two in size.
+    which the Triton lowering needs to be a power of two in size. An FP8 table (even E)
+    is passed as its ``uint16`` view ``[R, E/2]`` (free) and decoded in the kernel.
     """
     rows, emb = table_RxE.shape
     heads = ids_NxH.shape[1]
     ids_NxH, n_tokens = _pad_tokens(ids_NxH.astype(jnp.int32), block_tokens)
     has_scale = row_scale_R is not None
+    cost = lookup_cost(ids_NxH.size, emb, table_RxE.dtype, out_dtype, has_scale)
+    fp8_pairs = table_RxE.dtype == jnp.float8_e4m3fn
+    if fp8_pairs:
+        if emb % 2:
+            raise ValueError(f"engram_lookup_vector: an FP8 table needs an even E, got E={emb}")
+        table_RxE = lax.bitcast_convert_type(table_RxE.reshape(rows, emb // 2, 2), jnp.uint16)
     # The table/scale "blocks" are the whole arrays: on GPU a block is only a base pointer,
     # the kernel's gather load reads just the rows it names.
     in_specs = [
         pl.BlockSpec((block_tokens, heads), lambda b: (b, 0)),
-        pl.BlockSpec((rows, emb), lambda b: (0, 0)),
+        pl.BlockSpec(table_RxE.shape, lambda b: (0, 0)),
     ]
     operands = [ids_NxH, table_RxE]
     if has_scale:
         in_specs.append(pl.BlockSpec((rows,), lambda b: (0,)))
         operands.append(row_scale_R)
     kernel = functools.partial(
-        _vector_kernel, heads=heads, emb=emb, has_scale=has_scale, out_dtype=out_dtype
+        _vector_kernel,
+        heads=heads,
+        emb=emb,
+        has_scale=has_scale,
+        fp8_pairs=fp8_pairs,
+        out_dtype=out_dtype,
     )
     out = pl.pallas_call(
         kernel,
@@ -244,6 +335,7 @@ def engram_lookup_vector(
         out_shape=jax.ShapeDtypeStruct((ids_NxH.shape[0], heads * emb), out_dtype),
         # Explicit Triton params: the default GPU lowering (Mosaic GPU) has no gather load.
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        cost_estimate=cost,
         interpret=interpret,
     )(*operands)
     return out[:n_tokens]

@@ -1,0 +1,52 @@
+"""Kernel choice by the platform a program is LOWERED for, not the default backend.
+
+``by_platform(args, cpu=f, cuda=g, tpu=h)`` stages out every branch (as
+``lax.platform_dependent``) and keeps only the branch of the lowering platform: a program
+jitted on a CPU host and lowered for TPU gets the TPU kernel, one lowered for CPU never
+lowers a Pallas TPU/GPU call. ``rocm`` takes the ``cuda`` branch unless given.
+
+``unsupported(message, outs)`` is a branch body for a platform a choice cannot run on: it
+traces to a placeholder of the right output shapes and raises ``ValueError(message)`` when
+that platform's branch is lowered (or run eagerly). So one call can hold a kernel for TPU
+and an error for CPU, and the error appears exactly when the program is lowered for CPU,
+before any kernel is lowered.
+
+Used by ``engram_lookup`` and ``spec_verify``; any kernel package may use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+PLATFORMS = ("cpu", "cuda", "tpu")
+
+_unsupported_p = Primitive("kernel_unsupported_on_platform")
+_unsupported_p.multiple_results = True
+
+
+def _raise(*_, message: str, outs=None):
+    raise ValueError(message)
+
+
+_unsupported_p.def_impl(_raise)
+_unsupported_p.def_abstract_eval(
+    lambda *_, message, outs: [jax.core.ShapedArray(s, np.dtype(d)) for s, d in outs]
+)
+mlir.register_lowering(_unsupported_p, lambda ctx, *a, message, outs: _raise(message=message))
+
+
+def unsupported(message: str, outs: Sequence[jax.ShapeDtypeStruct]) -> list[jax.Array]:
+    """Placeholders shaped like ``outs``; lowering them raises ``ValueError(message)``."""
+    spec = tuple((tuple(o.shape), np.dtype(o.dtype).name) for o in outs)
+    return _unsupported_p.bind(message=message, outs=spec)
+
+
+def by_platform(args: tuple, *, cpu: Callable, cuda: Callable, tpu: Callable, rocm=None):
+    """``branch(*args)`` of the lowering platform (see the module docstring)."""
+    return lax.platform_dependent(*args, cpu=cpu, cuda=cuda, rocm=rocm or cuda, tpu=tpu)
