@@ -40,6 +40,7 @@ from v41jax.engram.config import EngramConfig
 from v41jax.engram.primes import head_offsets, stored_table_rows, table_rows
 from v41jax.engram.sharded import ENGRAM_ROW_AXIS, sharded_lookup
 from v41jax.kernels.engram_lookup.api import engram_lookup
+from v41jax.ops import rms_norm_f32
 
 Dtype = Any
 Params = dict[str, jax.Array]
@@ -49,13 +50,6 @@ LookupFn = Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
 _GATE_FLOOR = 1e-6  # |s| floor inside the signed sqrt (REFERENCE.md §1): keeps its grad finite
 
 # ----------------------------------------------------------------------------- pure cores
-
-
-def _rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-    """`x / sqrt(mean(x^2) + eps) * scale` over the last axis, in float32 (result float32)."""
-    x32 = x.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return x32 * inv_rms * scale.astype(jnp.float32)
 
 
 def engram_gate_value(
@@ -76,8 +70,8 @@ def engram_gate_value(
     k_BxTxMxD = jnp.einsum(
         "bte,emd->btmd", e_BxTxE, params["w_k"].astype(cdt), preferred_element_type=jnp.float32
     ) + params["b_k"].astype(jnp.float32)
-    k_BxTxMxD = _rms_norm(k_BxTxMxD, params["key_norm"], eps)
-    q_BxTxMxD = _rms_norm(h_BxTxMxD, params["query_norm"], eps)
+    k_BxTxMxD = rms_norm_f32(k_BxTxMxD, params["key_norm"], eps)
+    q_BxTxMxD = rms_norm_f32(h_BxTxMxD, params["query_norm"], eps)
     s_BxTxM = jnp.sum(k_BxTxMxD * q_BxTxMxD, axis=-1) / math.sqrt(d)
     s_BxTxM = jnp.sign(s_BxTxM) * jnp.sqrt(jnp.maximum(jnp.abs(s_BxTxM), _GATE_FLOOR))
     alpha_BxTxMx1 = jax.nn.sigmoid(s_BxTxM)[..., None]
@@ -103,7 +97,7 @@ def short_conv(
         raise ValueError(
             f"short_conv: conv_kernel has {kernel_KxMxD.shape[0]} taps, kernel_size={kernel_size}"
         )
-    x_BxTxMxD = _rms_norm(v_BxTxMxD, params["conv_norm"], eps)
+    x_BxTxMxD = rms_norm_f32(v_BxTxMxD, params["conv_norm"], eps)
     t = x_BxTxMxD.shape[1]
     pad = (kernel_size - 1) * dilation
     x_pad = jnp.pad(x_BxTxMxD, ((0, 0), (pad, 0), (0, 0), (0, 0)))

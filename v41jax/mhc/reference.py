@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from v41jax import ops
 from v41jax.mhc.config import MHCConfig
 from v41jax.mhc.sinkhorn import sinkhorn_knopp
 
@@ -135,11 +136,11 @@ def mhc_coefficients(
             f"({n * c}, {num_coeffs(n)}) for n={n}, C={c}"
         )
     v_BxTxNC = x_BxTxNxC.reshape(*x_BxTxNxC.shape[:-2], n * c).astype(jnp.float32)
-    inv_r = jax.lax.rsqrt(jnp.mean(jnp.square(v_BxTxNC), axis=-1, keepdims=True) + eps)
     if project_first:
-        proj_BxTxK = jnp.matmul(v_BxTxNC, scale[:, None] * phi, precision=HIGHEST) * inv_r
+        proj_BxTxK = jnp.matmul(v_BxTxNC, scale[:, None] * phi, precision=HIGHEST)
+        proj_BxTxK = proj_BxTxK * ops.inv_rms(v_BxTxNC, eps)
     else:
-        proj_BxTxK = jnp.matmul(v_BxTxNC * inv_r * scale, phi, precision=HIGHEST)
+        proj_BxTxK = jnp.matmul(ops.rms_norm_f32(v_BxTxNC, scale, eps), phi, precision=HIGHEST)
 
     alpha = params["alpha"].astype(jnp.float32)
     alpha_K = jnp.concatenate(

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from v41jax import ops
 from v41jax.kernels.mhc_single_pass import mhc_single_pass, single_pass_step_reference
 from v41jax.kernels.mhc_single_pass.reference import rms_norm_f32
 from v41jax.mhc.config import MHCConfig
@@ -84,7 +85,7 @@ def coefficients_from_stats(
     """
     n = cfg.n_streams
     nc = params["phi"].shape[0]
-    inv_r = lax.rsqrt(sumsq_BxT.astype(jnp.float32) / nc + RMS_EPS)
+    inv_r = ops.inv_rms_from_sumsq(sumsq_BxT, nc, RMS_EPS)
     z = proj_BxTxK.astype(jnp.float32) * inv_r[..., None]
     if cfg.residual == "hc":  # HC's dynamic part is tanh-squashed and used linearly
         z = jnp.tanh(z)

@@ -1,4 +1,7 @@
-"""Pure-JAX layer cores (RMSNorm, RoPE, SwiGLU) and the thin Linen shells that own their params.
+"""Pure-JAX layer cores (RoPE, SwiGLU) and the thin Linen shells that own their params.
+
+RMSNorm's core is `v41jax.ops.rms_norm` (shared with Engram and mHC); it is re-exported here
+for the model package's callers.
 
 Cores take explicit arrays and return arrays, so any JAX code (Linen, NNX via `nnx.bridge`,
 raw `jit`/`shard_map`, a Pallas reference) can reuse them. Shape suffixes name the axes:
@@ -17,20 +20,11 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
+from v41jax.ops import rms_norm
+
 Dtype = Any
 
 # ----------------------------------------------------------------------------- pure cores
-
-
-def rms_norm(x_BxTxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm (Zhang & Sennrich 2019): `y = x / sqrt(mean(x^2) + eps) * scale`.
-
-    Statistics and the product are computed in float32; the result is cast back to x's dtype.
-    Works over the last axis of any shape.
-    """
-    x32 = x_BxTxD.astype(jnp.float32)
-    inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return (x32 * inv_rms * scale_D.astype(jnp.float32)).astype(x_BxTxD.dtype)
 
 
 def rope_angles(positions_BxT: jax.Array, head_dim: int, theta: float) -> jax.Array:
@@ -85,7 +79,11 @@ def normal_init(std: float, names: tuple[str, ...]) -> Callable:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last axis; param `scale` [D] (logical `norm`), initialised to ones."""
+    """RMSNorm over the last axis; param `scale` [D] (logical `norm`), initialised to ones.
+
+    `y = x / sqrt(mean(x^2) + eps) * scale`, [..., D] -> [..., D] in x's dtype (statistics in
+    float32): a shell owning the param around `v41jax.ops.rms_norm`.
+    """
 
     eps: float = 1e-6
     param_dtype: Dtype = jnp.float32

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from v41jax import ops
+
 _HI = lax.Precision.HIGHEST
 
 
@@ -28,8 +30,7 @@ def rms_norm_f32(x_xC: jax.Array, scale_C: jax.Array | None, eps: float) -> jax.
     None (a sub-layer without an input norm)."""
     if scale_C is None:
         return x_xC
-    out = x_xC * lax.rsqrt(jnp.mean(jnp.square(x_xC), axis=-1, keepdims=True) + eps)
-    return out * scale_C.astype(jnp.float32)
+    return ops.rms_norm_f32(x_xC, scale_C, eps)
 
 
 def single_pass_step_reference(
