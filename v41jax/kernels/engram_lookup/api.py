@@ -48,7 +48,12 @@ import numpy as np
 from jax import lax
 
 from v41jax.kernels.engram_lookup import kernel as _kernel
-from v41jax.kernels.engram_lookup.platforms import by_platform, unsupported
+from v41jax.kernels.engram_lookup.platforms import (
+    TPU_MAX_VMEM,
+    TRITON_MAX_NUMEL,
+    by_platform,
+    unsupported,
+)
 from v41jax.kernels.engram_lookup.reference import engram_lookup_reference
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "reference")
@@ -255,10 +260,10 @@ def _pallas_shape_error(kind: str, table, block_tokens: int | None, heads: int, 
                 f"the GPU (Triton) kernel needs power-of-two E and block_tokens, got "
                 f"E={emb}, block_tokens={bt}"
             )
-        if bt * emb > _kernel.TRITON_MAX_NUMEL:
+        if bt * emb > TRITON_MAX_NUMEL:
             return (
                 f"the GPU (Triton) kernel loads (block_tokens, E) = ({bt}, {emb}) tiles, over "
-                f"Triton's {_kernel.TRITON_MAX_NUMEL} elements per tensor"
+                f"Triton's {TRITON_MAX_NUMEL} elements per tensor"
             )
         if table.dtype == jnp.float8_e4m3fn and emb < 2:
             return f"the GPU kernel reads FP8 rows as byte pairs: needs E >= 2, got E={emb}"
@@ -270,10 +275,10 @@ def _pallas_shape_error(kind: str, table, block_tokens: int | None, heads: int, 
                 f"got block_tokens={bt}, H={heads}"
             )
         vmem = _kernel.dma_vmem_bytes(bt * heads, emb, table.dtype, jnp.float32, scaled)
-        if vmem > _kernel.TPU_MAX_VMEM:
+        if vmem > TPU_MAX_VMEM:
             return (
                 f"the TPU kernel's blocks of block_tokens*H = {bt * heads} rows of E={emb} need "
-                f"{vmem >> 20} MiB of VMEM, over its {_kernel.TPU_MAX_VMEM >> 20} MiB limit"
+                f"{vmem >> 20} MiB of VMEM, over its {TPU_MAX_VMEM >> 20} MiB limit"
             )
     return ""
 

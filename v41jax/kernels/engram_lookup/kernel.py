@@ -46,25 +46,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from v41jax.kernels.engram_lookup.platforms import TPU_MAX_VMEM, tpu_vmem_bytes, tpu_vmem_limit
+
 # Ids per pallas_call of the DMA kernel: they all sit in SMEM (4 bytes each), which holds
 # well under 1 MiB on current TPUs, so longer id lists are split into several calls.
 MAX_IDS_PER_DMA_CALL = 1 << 15
-# Scoped VMEM a TPU kernel gets without asking (16 MiB on v5e, the smallest), and the most
-# this kernel asks for (v7x has 64 MiB per core; Mosaic needs some for itself).
-TPU_DEFAULT_SCOPED_VMEM = 16 << 20
-TPU_MAX_VMEM = 48 << 20
-# Elements of one Triton tensor (Triton's TRITON_MAX_TENSOR_NUMEL).
-TRITON_MAX_NUMEL = 1 << 20
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def tpu_vmem_bytes(rows: int, cols: int, dtype) -> int:
-    """Bytes of a ``[rows, cols]`` VMEM buffer after (8 * packing, 128) tiling."""
-    itemsize = jnp.dtype(dtype).itemsize
-    return _round_up(rows, 8 * max(1, 4 // itemsize)) * _round_up(cols, 128) * itemsize
 
 
 def dma_vmem_bytes(rows_per_block: int, emb: int, dtype, out_dtype, has_scale: bool) -> int:
@@ -185,10 +171,7 @@ def _dma_call(table_RxE, ids_M, scale_Rx1, *, rows_per_block, out_dtype, interpr
             f"engram_lookup_dma: {rows_per_block} rows per block of E={emb} need {vmem >> 20} "
             f"MiB of VMEM, over the {TPU_MAX_VMEM >> 20} MiB limit; lower block_tokens"
         )
-    # Ask for more scoped VMEM only when the default would not hold the buffers.
-    limit = (
-        _round_up(vmem + vmem // 4, 1 << 20) if vmem > TPU_DEFAULT_SCOPED_VMEM * 3 // 4 else None
-    )
+    limit = tpu_vmem_limit(vmem)  # more scoped VMEM only when the default is too small
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

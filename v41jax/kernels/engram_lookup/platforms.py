@@ -26,6 +26,32 @@ from jax.interpreters import mlir
 
 PLATFORMS = ("cpu", "cuda", "tpu")
 
+# Scoped VMEM a TPU kernel gets without asking (16 MiB on v5e, the smallest), and the most
+# a kernel here asks for (v7x has 64 MiB per core; Mosaic needs some for itself).
+TPU_DEFAULT_SCOPED_VMEM = 16 << 20
+TPU_MAX_VMEM = 48 << 20
+# Elements of one Triton tensor (Triton's TRITON_MAX_TENSOR_NUMEL).
+TRITON_MAX_NUMEL = 1 << 20
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def tpu_vmem_bytes(rows: int, cols: int, dtype) -> int:
+    """Bytes of a ``[rows, cols]`` VMEM buffer after (8 * packing, 128) tiling."""
+    itemsize = np.dtype(dtype).itemsize
+    return round_up(rows, 8 * max(1, 4 // itemsize)) * round_up(cols, 128) * itemsize
+
+
+def tpu_vmem_limit(needed: int) -> int | None:
+    """``vmem_limit_bytes`` for a kernel needing ``needed`` bytes: None (the default scope)
+    when that holds it with a quarter to spare, else ``needed`` + 25%, rounded to MiB."""
+    if needed <= TPU_DEFAULT_SCOPED_VMEM * 3 // 4:
+        return None
+    return round_up(needed + needed // 4, 1 << 20)
+
+
 _unsupported_p = Primitive("kernel_unsupported_on_platform")
 _unsupported_p.multiple_results = True
 

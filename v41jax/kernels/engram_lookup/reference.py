@@ -1,4 +1,4 @@
-"""Pure-jnp reference of the Engram lookup (REFERENCE.md §1, "Embedding, gate, output").
+"""Pure-jnp reference of the Engram lookup (the "Embedding, gate, output" step).
 
 The memory vector of a token is its H heads' rows of the flat table, concatenated::
 

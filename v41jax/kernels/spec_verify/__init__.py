@@ -1,6 +1,7 @@
-"""Speculative verification (REFERENCE.md §3): acceptances, first rejection, residual sample.
+"""Speculative verification: acceptances, first rejection, residual sample.
 
-``api.py`` holds the entry point ``spec_verify`` and its dispatch, ``kernel.py`` the Pallas
+``api.py`` holds the entry point ``spec_verify`` and its dispatch (by lowering platform),
+``limits.py`` the compiled kernels' block limits and costs, ``kernel.py`` the Pallas
 kernels (one pass over the draft and target probability rows: a (batch, vocabulary-block)
 grid on TPU, a per-row vocabulary loop on GPU), ``reference.py`` the plain-jnp definition on
 supplied uniforms.

@@ -11,11 +11,19 @@ Shapes: draft_tokens int [B, K]; draft_probs float [B, K, V] or None (one-hot dr
 target_probs float [B, K+1, V]; verify_len int [B] with values in [0, K]; accept_u float
 [B, K] and race_u float [B, V], uniforms in [0, 1). Draft ids must lie in [0, V).
 
-Implementations (``impl``):
-  "pallas"     the backend's kernel (``kernel.py``): ``spec_verify_blocked`` on TPU and,
-               with ``interpret=True``, on CPU; ``spec_verify_rowloop`` (Triton) on GPU.
+Implementations (``impl``), chosen by the platform the program is LOWERED for
+(``platforms.by_platform``), not the default backend at trace time:
+  "pallas"     the platform's kernel (``kernel.py``): ``spec_verify_blocked`` on TPU and,
+               interpreted, on CPU; ``spec_verify_rowloop`` (Triton) on GPU. ``interpret``
+               None (default): interpreted on CPU only; True: the blocked kernel
+               interpreted everywhere; False: compiled, and lowering for CPU raises.
   "reference"  ``spec_verify_reference`` (plain jnp).
-  "auto"       "reference" on CPU, "pallas" on GPU/TPU.
+  "auto"       "reference" on CPU, "pallas" on GPU/TPU (the reference where a given
+               ``block_v`` does not fit the platform's kernel).
+A ``block_v`` the platform's compiled kernel cannot take (TPU: a multiple of 128 or >= V,
+VMEM; GPU: a power of two, Triton's tensor size) raises a ValueError naming the limit when
+an impl="pallas" program is lowered for that platform; ``kernel.py``'s functions raise it
+at the call.
 No gradient: the outputs are integers. Out of contract: verify_len > K acts as K in the
 kernels (the reference agrees except with one-hot drafts when all K are accepted, where it
 subtracts a one-hot of d_{K-1} from p_K); draft ids outside [0, V) give p_j(d_j) = 0 in the
@@ -24,10 +32,14 @@ kernels (the reference reads a fill value).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from v41jax.kernels.engram_lookup.platforms import by_platform, unsupported
 from v41jax.kernels.spec_verify import kernel as _kernel
+from v41jax.kernels.spec_verify.limits import check_block_v
 from v41jax.kernels.spec_verify.reference import spec_verify_reference
 
 IMPLS = ("auto", "pallas", "reference")
@@ -77,20 +89,24 @@ def _validate(draft_tokens, draft_probs, target_probs, verify_len, accept_u, rac
     return b, k, v
 
 
-def _block_v(block_v, vocab: int, triton: bool, compiled_tpu: bool) -> int:
-    """The vocabulary block of one call (validated)."""
-    _need(
-        block_v is None or (isinstance(block_v, int) and block_v >= 1),
-        f"block_v must be a positive int, got {block_v!r}",
-    )
+def _choose(platform: str, impl: str, interpret, block_v, vocab: int, k: int, itemsize) -> tuple:
+    """(kind, interpret, block_v or error message) of one platform's branch; kind is
+    "reference", "blocked", "rowloop" or "error"."""
+    if impl == "reference" or (impl == "auto" and platform == "cpu"):
+        return "reference", False, 0
     bv = DEFAULT_BLOCK_V if block_v is None else block_v
-    if triton:
-        _need(bv & (bv - 1) == 0, f"block_v must be a power of two on GPU, got {bv}")
-        # No point loading more than the next power of two above V.
-        return min(bv, 1 << (vocab - 1).bit_length())
-    if compiled_tpu:
-        _need(bv % 128 == 0 or bv >= vocab, f"block_v must be a multiple of 128 on TPU, got {bv}")
-    return min(bv, vocab)
+    if interpret or (interpret is None and platform == "cpu"):
+        return "blocked", True, min(bv, vocab)
+    if platform == "cpu":
+        return "error", False, "impl='pallas' on CPU needs interpret=True (or interpret=None)"
+    kind = "rowloop" if platform == "cuda" else "blocked"
+    try:
+        return kind, False, check_block_v(kind, bv, vocab, max(k, 1), itemsize)
+    except ValueError as err:
+        if impl == "auto":
+            return "reference", False, 0
+        why = str(err).removeprefix("spec_verify: ")
+        return "error", False, f"{why} (this program is lowered for {platform!r})"
 
 
 def spec_verify(
@@ -107,41 +123,54 @@ def spec_verify(
 ) -> tuple[jax.Array, jax.Array]:
     """(out_tokens int32 [B, K+1], num_accepted int32 [B]); see the module docstring.
 
-    ``interpret`` (Pallas only) defaults to True on CPU; ``block_v`` is the vocabulary
-    block of the kernel (default ``DEFAULT_BLOCK_V``).
+    ``interpret`` (Pallas only): None = interpreted when lowered for CPU, compiled on
+    GPU/TPU; ``block_v`` is the vocabulary block of the kernel (``DEFAULT_BLOCK_V``).
     """
     arrays = [draft_tokens, target_probs, verify_len, accept_u, race_u]
     draft_tokens, target_probs, verify_len, accept_u, race_u = map(jnp.asarray, arrays)
     draft_probs = None if draft_probs is None else jnp.asarray(draft_probs)
     b, k, v = _validate(draft_tokens, draft_probs, target_probs, verify_len, accept_u, race_u)
     _need(impl in IMPLS, f"impl must be one of {IMPLS}, got {impl!r}")
-    backend = jax.default_backend()
-    if interpret is None:
-        interpret = backend == "cpu"
-    if impl == "auto":
-        impl = "reference" if backend == "cpu" else "pallas"
+    _need(
+        block_v is None or (isinstance(block_v, int) and block_v >= 1),
+        f"block_v must be a positive int, got {block_v!r}",
+    )
     args = (draft_tokens, draft_probs, target_probs, verify_len, accept_u, race_u)
     if impl == "reference":
         return spec_verify_reference(*args)
-    _need(interpret or backend != "cpu", "impl='pallas' on CPU needs interpret=True")
-    triton = backend in ("gpu", "cuda", "rocm") and not interpret
-    bv = _block_v(block_v, v, triton, compiled_tpu=backend == "tpu" and not interpret)
     if b == 0:
         return jnp.zeros((0, k + 1), jnp.int32), jnp.zeros((0,), jnp.int32)
+    itemsize = max(target_probs.dtype.itemsize, race_u.dtype.itemsize)
+    outs = [jax.ShapeDtypeStruct((b, k + 1), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)]
+
+    def branch(platform):
+        kind, interp, bv = _choose(platform, impl, interpret, block_v, v, k, itemsize)
+        if kind == "reference":
+            return spec_verify_reference
+        if kind == "error":
+            return lambda *a: tuple(unsupported(f"spec_verify: {bv}", outs))
+        fn = _kernel.spec_verify_rowloop if kind == "rowloop" else _kernel.spec_verify_blocked
+        return functools.partial(_run_kernel, fn, vocab_size=v, block_v=bv, interpret=interp)
+
+    return by_platform(args, **{p: branch(p) for p in ("cpu", "cuda", "tpu")})
+
+
+def _run_kernel(fn, *args, vocab_size, block_v, interpret):
+    """``fn`` on the arguments; K = 0 (no drafts) becomes one never-verified draft (L = 0),
+    whose column is dropped: the kernels need K >= 1, A = 0 and the token is the p_0 race."""
+    d, q, p, verify_len, accept_u, race_u = args
+    b, k = d.shape
     if k == 0:
-        # No drafts: A = 0 and the token is the p_0 race. The kernels need K >= 1, so add
-        # one never-verified draft (L = 0) and drop its column; rare, so the copy is fine.
-        out, num = spec_verify(
+        out, num = fn(
             jnp.zeros((b, 1), jnp.int32),
             None,
-            jnp.concatenate([target_probs, jnp.zeros_like(target_probs)], axis=1),
+            jnp.concatenate([p, jnp.zeros_like(p)], axis=1),  # rare, so the copy is fine
             jnp.zeros((b,), jnp.int32),
             jnp.zeros((b, 1), jnp.float32),
             race_u,
-            impl="pallas",
-            interpret=interpret,
+            vocab_size=vocab_size,
             block_v=block_v,
+            interpret=interpret,
         )
         return out[:, :1], num
-    fn = _kernel.spec_verify_rowloop if triton else _kernel.spec_verify_blocked
-    return fn(*args, vocab_size=v, block_v=bv, interpret=bool(interpret))
+    return fn(*args, vocab_size=vocab_size, block_v=block_v, interpret=interpret)

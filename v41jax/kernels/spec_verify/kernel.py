@@ -33,8 +33,10 @@ so grid ``(B,)`` and each program loops over the vocabulary itself, loading one 
 per row with a mask past V (bv a power of two, as every Triton tensor must be) and carrying
 the per-row state as scalars; ids, L and u are scalar loads.
 
-Verified here in interpret mode (CPU) against the reference; the compiled kernels lower on
-CPU (Mosaic MLIR, Triton IR) but have not yet run on their hardware.
+Verified here in interpret mode (CPU) against the reference; the compiled kernels are
+lowered for TPU and CUDA at B = 128, K = 7, V = 129,280 in
+``tests/kernels/test_lowering_spec_verify.py`` (Mosaic MLIR, Triton IR) but have not yet
+run on their hardware. ``check_block_v`` holds each compiled kernel's limits.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
+
+from v41jax.kernels.engram_lookup.platforms import tpu_vmem_limit
+from v41jax.kernels.spec_verify.limits import blocked_vmem_bytes, check_block_v, verify_cost
 
 _NO_INDEX = 2**31 - 1  # larger than any column: loses every min over column indices
 
@@ -195,7 +200,12 @@ def spec_verify_blocked(
     b, k = draft_tokens_BxK.shape
     width = target_probs_BxK1xV.shape[-1]
     has_q = draft_probs_BxKxV is not None
+    itemsize = max(a.dtype.itemsize for a in (target_probs_BxK1xV, race_u_BxV))
+    if not interpret:
+        check_block_v("blocked", block_v, width, k, itemsize)
     bv = min(block_v, width)  # one block equal to the whole row when it is short
+    vmem_limit = tpu_vmem_limit(blocked_vmem_bytes(k, bv, itemsize))
+    cost = verify_cost(b, k, width, (target_probs_BxK1xV, draft_probs_BxKxV, race_u_BxV))
     row = lambda *tail: pl.BlockSpec((None, *tail), lambda i, s: (i, 0, 0))
     vocab = lambda rows: pl.BlockSpec((None, rows, bv), lambda i, s: (i, 0, s))
     operands = [
@@ -224,7 +234,10 @@ def spec_verify_blocked(
         # pmin, pidx [K+1]; p(d), q(d), rmin, ridx, rmax [K]
         scratch_shapes=[f32(k + 1), i32(k + 1), f32(k), f32(k), f32(k), i32(k), f32(k)],
         # The vocabulary axis is a reduction carried in scratch, so it must run in order.
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=vmem_limit
+        ),
+        cost_estimate=cost,
         interpret=interpret,
     )(*operands)
     return out.reshape(b, k + 1), num.reshape(b)
@@ -300,6 +313,9 @@ def spec_verify_rowloop(
     b, k = draft_tokens_BxK.shape
     width = target_probs_BxK1xV.shape[-1]
     has_q = draft_probs_BxKxV is not None
+    if not interpret:
+        check_block_v("rowloop", block_v, int(vocab_size))
+    cost = verify_cost(b, k, width, (target_probs_BxK1xV, draft_probs_BxKxV, race_u_BxV))
     # On GPU a block is a base pointer: whole rows, of which the kernel loads [bv] slices.
     row = lambda *tail: pl.BlockSpec((None, *tail), lambda i: (i,) + (0,) * len(tail))
     operands = [
@@ -328,6 +344,7 @@ def spec_verify_rowloop(
         ],
         # Explicit Triton params select the Triton lowering (the default is Mosaic GPU).
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        cost_estimate=cost,
         interpret=interpret,
     )(*operands)
     return out, num.reshape(b)

@@ -8,7 +8,7 @@ Shapes: B rows, K drafts, V vocabulary.
   accept_u      float [B, K]       u_j ~ U[0, 1), one per draft
   race_u        float [B, V]       w_v ~ U[0, 1), one per vocabulary entry (one row per row)
 
-Rule (Leviathan et al. 2023; REFERENCE.md §3), all arithmetic in float32:
+Rule (Leviathan et al. 2023), all arithmetic in float32:
   accept d_j  iff  j < L  and  u_j q_j(d_j) < p_j(d_j)       (i.e. u_j < p_j(d_j)/q_j(d_j))
   A = number of leading accepted drafts (num_accepted), in [0, L]
   r = max(0, p_A - q_A)  if A < L  (first rejection)
