@@ -7,8 +7,11 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "v41jax"
-# A layer may import only from layers to its left (config and sharding sit below everything).
+# A layer may import only from itself and layers to its left: ops (numerical primitives) at
+# the bottom imports nothing else from v41jax; config (plain-Python dataclasses, including the
+# feature configs EngramConfig and MHCConfig) may import only ops; sharding sits beside it.
 LAYERS = [
+    "ops",
     "config",
     "sharding",
     "data",
@@ -22,25 +25,39 @@ LAYERS = [
     "sweep",
     "bench",
 ]
-# Leaf config dataclasses of a feature package belong to the config layer (config.py nests them).
-CONFIG_MODULES = ("v41jax.engram.config", "v41jax.mhc.config")
 MAX_LINES = 400
 
 
 def _layer(module: str) -> str | None:
-    if module in CONFIG_MODULES:
-        return "config"
     parts = module.split(".")
     if parts[0] != "v41jax" or len(parts) < 2:
         return None
     return parts[1] if parts[1] in LAYERS else None
 
 
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(("v41jax", *parts))
+
+
 def _imports(path: pathlib.Path):
+    """Every module `path` imports, absolute: `from v41jax import x` counts as `v41jax.x`
+    (a bare `v41jax` import would hide the layer) and relative imports are resolved."""
     tree = ast.parse(path.read_text())
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            yield node.module
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], base]).rstrip(".")
+            if base == "v41jax":
+                yield from (f"v41jax.{a.name}" for a in node.names)
+            elif base:
+                yield base
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
 
@@ -48,15 +65,34 @@ def _imports(path: pathlib.Path):
 def test_imports_flow_one_way():
     bad = []
     for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE)
-        here = _layer("v41jax." + ".".join(rel.with_suffix("").parts)) or ""
-        if here not in LAYERS:
+        here = _layer(_module_name(path))
+        if here is None:  # v41jax/__init__.py, __main__.py: the top, may import anything
             continue
         for module in _imports(path):
             there = _layer(module)
             if there and LAYERS.index(there) > LAYERS.index(here):
-                bad.append(f"{rel} imports {module}")
+                bad.append(f"{path.relative_to(PACKAGE)} ({here}) imports {module} ({there})")
     assert not bad, bad
+
+
+def test_every_subpackage_has_a_layer():
+    """A new top-level package must be placed in LAYERS, or its imports go unchecked."""
+    tops = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    tops |= {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("_")}
+    assert tops - {"configs"} <= set(LAYERS), sorted(tops - {"configs"} - set(LAYERS))
+
+
+def test_config_import_is_light():
+    """Importing the config layer loads no jax, flax or kernel: configs are plain data."""
+    code = (
+        "import sys, v41jax.config\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax')\n"
+        "               or m.startswith(('v41jax.kernels', 'v41jax.engram', 'v41jax.mhc')))\n"
+        "print(heavy)\n"
+        "assert not heavy, heavy\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
 
 
 def test_files_stay_small():

@@ -129,3 +129,31 @@ def test_nested_overrides_are_validated_together():
         config_lib.override(cfg, ["model.engram.layer_ids=5"])
     with pytest.raises(ValueError, match="engram_vocab_size=.* needs one size per order"):
         config_lib.override(cfg, ["model.engram.max_ngram_size=3"])
+
+
+def test_feature_configs_round_trip_and_are_one_class(tmp_path):
+    """EngramConfig / MHCConfig live in the config layer; the feature packages re-export the
+    same classes, and a config using both survives the JSON round trip."""
+    from v41jax.engram.config import EngramConfig
+    from v41jax.mhc.config import MHCConfig
+
+    assert EngramConfig is config_lib.EngramConfig and MHCConfig is config_lib.MHCConfig
+    cfg = config_lib.override(
+        config_lib.get_config("tiny"),
+        [
+            "model.engram.layer_ids=1",
+            "model.engram.max_ngram_size=2",
+            "model.engram.engram_vocab_size=1009",
+            "model.mhc.n_streams=2",
+            "model.mhc.form=single_pass",
+        ],
+    )
+    assert cfg.model.engram == EngramConfig(
+        layer_ids=(1,), max_ngram_size=2, engram_vocab_size=(1009,)
+    )
+    assert cfg.model.mhc == MHCConfig(n_streams=2, form="single_pass")
+    path = tmp_path / "cfg.json"
+    config_lib.save_json(cfg, str(path))
+    assert config_lib.load_json(str(path)) == cfg
+    with pytest.raises(ValueError, match="MHCConfig: form='bogus'"):
+        config_lib.override(cfg, ["model.mhc.form=bogus"])

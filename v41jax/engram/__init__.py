@@ -1,6 +1,9 @@
-"""Engram conditional memory: hashed n-gram ids, gated table lookup (REFERENCE.md §1)."""
+"""Engram conditional memory: hashed n-gram ids, gated table lookup.
 
-from v41jax.engram.config import TABLE_DTYPES, EngramConfig, require_vocab, validate_engram
+The config (`EngramConfig`) lives in the config layer, `v41jax.config.engram`.
+"""
+
+from v41jax.config.engram import TABLE_DTYPES, EngramConfig, require_vocab, validate_engram
 from v41jax.engram.hashing import (
     layer_multipliers,
     ngram_hash_ids,

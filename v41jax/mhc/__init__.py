@@ -1,6 +1,6 @@
-"""mHC: manifold-constrained hyper-connections (REFERENCE.md §2)."""
+"""mHC: manifold-constrained hyper-connections (config: v41jax.config.mhc)."""
 
-from v41jax.mhc.config import FORMS, MHCConfig
+from v41jax.config.mhc import FORMS, MHCConfig
 from v41jax.mhc.layer import MHCResidual
 from v41jax.mhc.reference import (
     composite_gain,

@@ -1,0 +1,76 @@
+"""`MHCConfig`: manifold-constrained hyper-connections around every sub-layer.
+
+`n_streams = 0` is the plain residual model (no mHC parameters). With n >= 1 the residual
+state is n streams [B, T, n, C], mixed around every attention and FFN sub-layer by
+`x <- H_res x + H_post^T F(H_pre x)`; n = 1 is the gated residual `x + H_post F(H_pre x)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The residual forms the backbone can train with (same params in every form).
+FORMS = ("reference", "fused", "single_pass")
+RESIDUAL_KINDS = ("mhc", "hc")
+SINKHORN_VARIANTS = ("paper", "v4")
+
+
+@dataclass(frozen=True)
+class MHCConfig:
+    """n_streams: residual streams n (0 = plain residual, off; 1 = gated residual).
+    form: how the update is computed (see FORMS and `v41jax.mhc.layer.MHCResidual`; the params
+        are identical in every form):
+        "reference": the paper's equations step by step.
+        "fused": the same maths, the post + residual apply as one fused pass
+            (`v41jax.mhc.fused.fused_post_residual`); equal to "reference" up to float rounding.
+        "single_pass": the lagged Single-Pass formulation (`v41jax.mhc.single_pass`):
+            sub-layer l's input is RMSNorm(A_{l-1} X_l) with the PREVIOUS sub-layer's
+            pre-mapping (layer 0: one-hot on stream 0), and one pass per sub-layer writes
+            X_{l+1}, the next input and the next coefficients' statistics. A different
+            model from the other two (not numerically equal). In the backbone the sub-layers'
+            own pre-norms (`attn_norm`, `ffn_norm`) are folded into that pass (their `scale`
+            params remain, the sub-layer does not re-normalise), and the readout before the
+            head is RMSNorm(A_{L-1} X_L; final_norm.scale) instead of RMSNorm(sum of streams).
+    residual: "mhc" (H_res Sinkhorn-projected, doubly stochastic) or "hc" (unconstrained
+        hyper-connections, H_res = identity-initialised free matrix: the unstable baseline).
+    sinkhorn_iters, sinkhorn_variant: Sinkhorn-Knopp iterations and ordering ("paper": exp
+        start, column then row normalisation, ends on rows; "v4": row-softmax start, ends on
+        columns, eps 1e-6).
+    alpha_init: initial value of the scalar gates alpha_pre, alpha_post, alpha_res.
+    single_pass_impl: the single pass's implementation: "xla" (pure JAX, default), "pallas"
+        (the kernel of v41jax/kernels/mhc_single_pass for this backend) or "auto" (the
+        kernel on GPU/TPU when it takes the shape, else XLA). Default "xla" until the
+        compiled kernels have been checked on hardware.
+    """
+
+    n_streams: int = 0
+    form: str = "reference"
+    residual: str = "mhc"
+    sinkhorn_iters: int = 20
+    sinkhorn_variant: str = "paper"
+    alpha_init: float = 0.01
+    single_pass_impl: str = "xla"
+
+    def __post_init__(self):
+        def require(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"MHCConfig: {msg}")
+
+        require(self.n_streams >= 0, f"n_streams={self.n_streams} must be >= 0 (0 = off)")
+        require(self.form in FORMS, f"form={self.form!r} not in {FORMS}")
+        require(
+            self.residual in RESIDUAL_KINDS, f"residual={self.residual!r} not in {RESIDUAL_KINDS}"
+        )
+        require(
+            self.single_pass_impl in ("xla", "pallas", "auto"),
+            f"single_pass_impl={self.single_pass_impl!r} not in ('xla', 'pallas', 'auto')",
+        )
+        require(self.sinkhorn_iters >= 1, f"sinkhorn_iters={self.sinkhorn_iters} must be >= 1")
+        require(
+            self.sinkhorn_variant in SINKHORN_VARIANTS,
+            f"sinkhorn_variant={self.sinkhorn_variant!r} not in {SINKHORN_VARIANTS}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_streams >= 1

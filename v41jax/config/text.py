@@ -1,0 +1,144 @@
+"""Configs as text: the JSON round trip and `--set section.field=value` overrides.
+
+`to_dict` / `from_dict` map any config dataclass to and from JSON-able dicts (tuples as
+lists; unknown keys are an error naming them and the valid ones). `override` changes single
+leaves, each parsed by its field's declared type, and validates once at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from typing import Any
+
+from v41jax.config.schema import Config, ModelConfig
+
+
+def to_dict(cfg: Any) -> Any:
+    """Config (or any nested dataclass) -> JSON-able dict; tuples become lists."""
+    if dataclasses.is_dataclass(cfg):
+        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, tuple | list):
+        return [to_dict(v) for v in cfg]
+    return cfg
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    """Build a value of declared type `tp` from its JSON form (used by from_dict)."""
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, prefix=key)
+    if typing.get_origin(tp) is tuple:  # tuple[X, ...]
+        return tuple(_coerce(typing.get_args(tp)[0], v, key) for v in value)
+    return value
+
+
+def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
+    """Inverse of `to_dict`; unknown keys are an error naming them and the valid ones."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    if cls is ModelConfig and "remat" in d:  # saved before remat_policy replaced the switch
+        d = {k: v for k, v in d.items() if k != "remat"} | {
+            "remat_policy": d.get("remat_policy", "full" if d["remat"] else "none")
+        }
+    if unknown := set(d) - names:
+        raise KeyError(
+            f"unknown config keys {sorted(unknown)} in {prefix or cls.__name__}; "
+            f"valid: {sorted(names)}"
+        )
+    return cls(**{k: _coerce(hints[k], v, f"{prefix}.{k}".lstrip(".")) for k, v in d.items()})
+
+
+def diff(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Human-readable differences `key: old -> new` between two configs."""
+    a, b = to_dict(old), to_dict(new)
+    out = []
+    for k in sorted(set(a) | set(b)):
+        va, vb = a.get(k), b.get(k)
+        if isinstance(va, dict) and isinstance(vb, dict):
+            out += diff(va, vb, f"{prefix}{k}.")
+        elif va != vb:
+            out.append(f"{prefix}{k}: {va!r} -> {vb!r}")
+    return out
+
+
+def save_json(cfg: Config, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(to_dict(cfg), f, indent=2, sort_keys=True)
+
+
+def load_json(path: str) -> Config:
+    with open(path) as f:
+        return from_dict(Config, json.load(f))
+
+
+def _leaf_keys(cls: type, prefix: str = "") -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(_leaf_keys(tp, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = tp
+    return out
+
+
+def _parse_scalar(tp: Any, text: str, key: str) -> Any:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if text.lower() in ("none", "null"):
+            return None
+        return _parse_scalar(args[0], text, key)
+    if tp is bool:
+        low = text.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise ValueError(f"--set {key}={text!r}: expected a bool (true/false)")
+    if tp in (int, float):
+        try:
+            return tp(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text!r}: expected {tp.__name__}") from None
+    if tp is str:
+        return text
+    raise ValueError(f"--set {key}: fields of type {tp} cannot be set from the command line")
+
+
+def _parse_value(tp: Any, text: str, key: str) -> Any:
+    if typing.get_origin(tp) is tuple:
+        (item_tp, _) = typing.get_args(tp)
+        if dataclasses.is_dataclass(item_tp):
+            return _coerce(tp, json.loads(text), key)
+        items = [s for s in text.split(",") if s.strip()]
+        return tuple(_parse_scalar(item_tp, s.strip(), key) for s in items)
+    return _parse_scalar(tp, text, key)
+
+
+def override(cfg: Any, assignments: list[str]) -> Any:
+    """Apply `["train.steps=24", "data.paths=a.txt,b/"]` to `cfg` (a `Config` or any frozen
+    config dataclass, e.g. a drafter run's), each parsed by field type.
+
+    Tuples take comma-separated items (an empty value is the empty tuple); tuples of
+    dataclasses (e.g. optim.param_groups) take a JSON list of objects.
+    """
+    leaves = _leaf_keys(type(cfg))
+    tree = to_dict(cfg)
+    for assignment in assignments:
+        if "=" not in assignment:
+            raise ValueError(f"--set {assignment!r}: expected KEY=VALUE")
+        key, text = assignment.split("=", 1)
+        key = key.strip()
+        if key not in leaves:
+            raise KeyError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(leaves))}")
+        *sections, leaf = key.split(".")
+        node = tree
+        for section in sections:
+            node = node[section]
+        node[leaf] = to_dict(_parse_value(leaves[key], text, key))
+    # Validated once, after all assignments: a change may need several fields to agree
+    # (e.g. model.engram.max_ngram_size and model.engram.engram_vocab_size).
+    return from_dict(type(cfg), tree)
