@@ -1,6 +1,9 @@
 """v41jax.ops RMSNorm against a plain NumPy (float64) reference: odd sizes, bf16, the folded
 forms, and the exact order of operations callers rely on."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +109,15 @@ def test_grad_matches_numpy_finite_difference():
     x64, h = np.asarray(x, np.float64), 1e-6
     fd = [(loss(x64 + h * e) - loss(x64 - h * e)) / (2 * h) for e in np.eye(13)]
     np.testing.assert_allclose(g, fd, rtol=1e-3, atol=1e-4)
+
+
+def test_ops_imports_only_jax():
+    """The bottom layer: importing v41jax.ops loads no flax and nothing else from v41jax."""
+    code = (
+        "import sys, v41jax.ops\n"
+        "mods = [m for m in sys.modules if m.startswith('flax')\n"
+        "        or (m.startswith('v41jax.') and not m.startswith('v41jax.ops'))]\n"
+        "assert not mods, mods\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
