@@ -6,7 +6,7 @@
 #   bash scripts/device_check.sh --out r.json --stages kernel_tests,train
 #   bash scripts/device_check.sh --dry-run        the plan only
 # Which Python: $V41JAX_PYTHON if set; else the active virtualenv's; else the first of
-# .venv/bin/python and python3 whose JAX sees a GPU/TPU (a preinstalled JAX is fine); else
+# .venv/bin/python, python3 and python whose JAX sees a GPU/TPU (a preinstalled JAX is fine); else
 # python3, which then prints the plan. Nothing is downloaded: packages that Python lacks are
 # installed from wheels carried in .whl/ (docs/accelerators.md). Options: --help.
 set -euo pipefail
@@ -32,7 +32,8 @@ elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
   py="$VIRTUAL_ENV/bin/python"
   why="the active virtualenv $VIRTUAL_ENV"
 else
-  for cand in "$ROOT/.venv/bin/python" "$(command -v python3 || true)"; do
+  for cand in "$ROOT/.venv/bin/python" "$(command -v python3 || true)" \
+    "$(command -v python || true)"; do
     if [ -n "$cand" ] && [ -x "$cand" ] && has_accelerator "$cand"; then
       py="$cand"
       why="its JAX sees a GPU/TPU"

@@ -175,3 +175,35 @@ def test_run_check_skips_stages_past_the_budget_and_fails_on_a_required_one(tmp_
     with open(out) as f:
         (stage,) = json.load(f)["stages"]
     assert stage["status"] == "skipped" and "budget of 5 s" in stage["note"]
+
+
+def _wheel(folder, dist: str, version: str, source: str) -> str:
+    """A minimal pure-Python wheel (module, METADATA, WHEEL, RECORD), as pip builds them."""
+    import zipfile
+
+    path = os.path.join(folder, f"{dist}-{version}-py3-none-any.whl")
+    info = f"{dist}-{version}.dist-info"
+    files = {
+        f"{dist}/__init__.py": source,
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{n},,\n" for n in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+def test_install_wheels_offline_into_a_target_folder(tmp_path):
+    wheel = _wheel(str(tmp_path), "v41jax_wheel_probe", "0.1", "VALUE = 7\n")
+    site = str(tmp_path / "site")
+    env = dict(os.environ, PIP_NO_INDEX="1")
+    r = device_env.install_wheels([wheel], site, env, str(tmp_path / "pip.log"))
+    assert r["status"] == "passed", r.get("output_tail")
+    assert r["installed"] == [os.path.basename(wheel)] and r["site"] == site
+    code = "import v41jax_wheel_probe as m; print(m.VALUE)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=dict(env, PYTHONPATH=site), capture_output=True, text=True
+    )
+    assert out.stdout.strip() == "7", out.stderr

@@ -38,6 +38,7 @@ from v41jax.bench.device_env import (
     probe,
     run_command,
     select_wheels,
+    versions_line,
 )
 
 BENCHMARKS = ("mhc", "engram", "verify", "attention")
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     what = f"{found.get('backend')} {[d['kind'] for d in found.get('devices', [])][:1]}"
     error = f" ({found['error']})" if "error" in found else ""
     print(f"[device_check] jax backend: {what}{error}")
+    host = host_info()
+    versions = versions_line(host["package_versions"], host["requirements_pins"])
+    print(f"[device_check] versions: {versions}")
     names = [os.path.basename(w) for w in wheels["install"]]
     print(
         f"[device_check] wheels from {args.wheels}: install {names or 'none'}; "
@@ -271,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "python_chosen_because": args.python_reason,
         "jax_platforms": found["platform"],
         "device": found,
-        **host_info(),
+        **host,
         "wheels": dict(wheels, result=installed),
     }
     print(f"[device_check] writing {out}", flush=True)

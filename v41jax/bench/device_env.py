@@ -195,8 +195,29 @@ def probe(env: dict) -> dict:
     return json.loads(line[len("PROBE") :])
 
 
+def pinned_versions() -> dict[str, str]:
+    """`name==version` lines of requirements.txt (the versions tested together on CPU)."""
+    pins = {}
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        for line in f:
+            if m := re.match(r"\s*([A-Za-z0-9_.-]+)==([^\s;#]+)", line):
+                pins[m.group(1).lower()] = m.group(2)
+    return pins
+
+
+def versions_line(installed: dict[str, str | None], pins: dict[str, str]) -> str:
+    """ "jax 0.11.2 (requirements.txt: 0.10.2), flax MISSING (...), ..." for the key packages,
+    so a run on a preinstalled JAX says plainly that it is not the pinned one."""
+    out = []
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint"):
+        have, pin = installed.get(name), pins.get(name)
+        note = "" if have == pin or pin is None else f" (requirements.txt: {pin})"
+        out.append(f"{name} {have or 'MISSING'}{note}")
+    return ", ".join(out)
+
+
 def host_info() -> dict:
-    info = {"package_versions": {}}
+    info = {"package_versions": {}, "requirements_pins": pinned_versions()}
     for name in PACKAGES:
         try:
             info["package_versions"][name] = metadata.version(name)
