@@ -10,6 +10,12 @@ Part 2, gathered bytes/s of the lookup paths on the largest f32 table vs memcpy 
 buffer of the same size as the gathered rows, measured in the same run: XLA (`engram_lookup`
 impl "xla"), plain `jnp.take`, and the host-memory table (`HostTable`, numpy gather on 1 and
 all threads).
+
+On a GPU/TPU, part 2 is instead the device lookup (`device_bandwidth_rows`): XLA, the
+Pallas kernel and `jnp.take` on the f32 table and on an FP8 table with row scales
+(2^24 x 256, 4 GiB, by default), as bytes moved (rows read + output written) per second
+against a device copy measured in the same run (and `--peak-gbps`, the chip's nominal
+bandwidth, when given). `--quick`: small sizes and few iterations, under a minute.
 """
 
 from __future__ import annotations
@@ -46,7 +52,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=2048, help="Engram tokens per call")
     p.add_argument("--ffn-tokens", type=int, default=256, help="FFN tokens per call")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--fp8-rows", type=int, default=1 << 24, help="device FP8 table rows")
+    p.add_argument("--peak-gbps", type=float, default=None, help="chip memory bandwidth")
+    p.add_argument("--quick", action="store_true", help="small sizes, few iterations (<1 min)")
     p.add_argument("--json", default=None)
+
+
+QUICK = {"sizes": "1e6,1e7", "ffn_max_params": 1e7, "iters": 3, "fp8_rows": 1 << 22}
 
 
 BASE = EngramConfig(
@@ -203,7 +215,56 @@ def bandwidth_rows(args, target: float) -> list[dict]:
     return out
 
 
+def _device_copy_gbps(nbytes: int, iters: int) -> float:
+    """Bytes moved (read + written) per second by a jitted elementwise pass over a device
+    buffer of ``nbytes // 2``: the reachable memory bandwidth of this chip."""
+    x = jnp.ones((nbytes // 8,), jnp.float32)
+    fn = jax.jit(lambda x: x * 2.0)
+    return _best_bytes_per_s(lambda: fn(x), 2 * x.nbytes, iters) / 1e9
+
+
+def device_bandwidth_rows(args, target: float) -> list[dict]:
+    """Lookup bytes moved per second on the accelerator: the f32 table of ``target``
+    parameters and an FP8 table (``--fp8-rows`` x 256, row scales), vs a device copy."""
+    cfg = sized(target, args.hidden)
+    rng = np.random.default_rng(3)
+    heads = cfg.num_heads_total
+    n = args.tokens * 4
+    tables = {
+        "f32": (jnp.full((stored_table_rows(cfg, 0), cfg.head_dim), 0.01, jnp.float32), None),
+        "fp8": (
+            jnp.ones((args.fp8_rows, 256), jnp.float8_e4m3fn),
+            jnp.ones((args.fp8_rows,), jnp.float32),
+        ),
+    }
+    copy = _device_copy_gbps(1 << 30, args.iters * 2)
+    out = []
+    for kind, (table, scale) in tables.items():
+        rows, emb = table.shape
+        ids = [
+            jnp.asarray(rng.integers(0, rows, (n, heads)), jnp.int32) for _ in range(args.iters + 2)
+        ]
+        moved = n * heads * emb * (table.dtype.itemsize + 4)  # rows read + f32 output written
+        paths = {f"{impl} engram_lookup": impl for impl in ("xla", "pallas")}
+        for name, impl in paths.items():
+            fn = jax.jit(lambda t, i, s, impl=impl: engram_lookup(t, i, s, impl=impl))
+            it = iter(ids * 3)
+            call = lambda fn=fn, it=it, t=table, s=scale: fn(t, next(it), s)  # noqa: E731
+            call()  # compile / warm
+            gbps = _best_bytes_per_s(call, moved, args.iters) / 1e9
+            row = {"table": kind, "table_bytes": table.nbytes, "path": name, "gb_per_s": gbps}
+            row["copy_gb_per_s"], row["fraction_of_copy"] = copy, gbps / copy
+            if args.peak_gbps:
+                row["fraction_of_peak"] = gbps / args.peak_gbps
+            out.append(row)
+    return out
+
+
 def run(args) -> int:
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    on_accelerator = jax.default_backend() != "cpu"
     sizes = [float(s) for s in args.sizes.split(",")]
     rows = []
     for target in tqdm(sizes, desc="engram vs ffn"):
@@ -222,20 +283,15 @@ def run(args) -> int:
     }
     print({k: round(v, 3) if v else v for k, v in growth.items()})
     f32_sizes = [s for s in sizes if s < args.fp8_from]
-    bw = bandwidth_rows(args, max(f32_sizes))
-    print(
-        format_table(
-            bw,
-            [
-                "path",
-                "table_bytes",
-                "gathered_bytes",
-                "gb_per_s",
-                "memcpy_gb_per_s",
-                "fraction_of_memcpy",
-            ],
-        )
-    )
+    if on_accelerator:
+        bw = device_bandwidth_rows(args, max(f32_sizes))
+        cols = ["table", "table_bytes", "path", "gb_per_s", "copy_gb_per_s", "fraction_of_copy"]
+        cols += ["fraction_of_peak"] if args.peak_gbps else []
+    else:
+        bw = bandwidth_rows(args, max(f32_sizes))
+        cols = ["path", "table_bytes", "gathered_bytes", "gb_per_s", "memcpy_gb_per_s"]
+        cols += ["fraction_of_memcpy"]
+    print(format_table(bw, cols))
     write_json(
         args.json,
         {
