@@ -35,6 +35,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("norm", None),
+    # the leading axis of params stacked by the layer scan (v41jax.model.layout): every
+    # device holds every layer's shard; the scan slices one layer per step.
+    ("layers", None),
     # MoE expert stacks [E, D, F]: no expert-parallel mesh axis (yet), so the expert axis is
     # replicated and the weights shard over their embed/mlp axes like the dense FFN.
     ("experts", None),

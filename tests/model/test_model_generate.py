@@ -27,10 +27,16 @@ def full_logits(p, cfg, toks):
 
 
 def test_init_cache_shapes():
+    # one entry per segment: the two identical layers are one scanned run, stacked [L, ...]
     cache = init_cache(CFG, 3)
-    assert len(cache) == CFG.num_layers
-    assert cache[0]["k"].shape == (3, CFG.max_seq_len, CFG.num_kv_heads, 8)
-    assert cache[0]["v"].dtype == jnp.float32
+    assert list(cache) == ["layers_0_1"]
+    assert cache["layers_0_1"]["k"].shape == (2, 3, CFG.max_seq_len, CFG.num_kv_heads, 8)
+    assert cache["layers_0_1"]["v"].dtype == jnp.float32
+    flat = init_cache(dataclasses.replace(CFG, scan_layers=False), 3)
+    assert list(flat) == ["block_0", "block_1"]
+    assert flat["block_1"]["k"].shape == (3, CFG.max_seq_len, CFG.num_kv_heads, 8)
+    with pytest.raises(ValueError, match="keyed by the model's segments"):
+        Transformer(CFG).apply({"params": params()}, jnp.zeros((3, 1), jnp.int32), cache=flat)
 
 
 def test_cached_decoding_equals_full_forward_at_every_position():
@@ -134,9 +140,9 @@ def test_prompt_wider_than_cache_raises():
 
 def test_bf16_compute_generates_with_bf16_cache():
     bf16 = dataclasses.replace(CFG, compute_dtype="bfloat16")
-    assert init_cache(bf16, 1)[0]["k"].dtype == jnp.bfloat16
+    assert init_cache(bf16, 1)["layers_0_1"]["k"].dtype == jnp.bfloat16
     _, state = prefill(params(), bf16, jnp.asarray(PROMPTS), jnp.asarray(LENGTHS))
-    assert state.kv[0]["k"].dtype == jnp.bfloat16 and state.engram_window is None
+    assert state.kv["layers_0_1"]["k"].dtype == jnp.bfloat16 and state.engram_window is None
     got = generate(params(), bf16, PROMPTS, LENGTHS, max_new_tokens=6)
     assert got.shape == (3, 6)
 

@@ -218,7 +218,13 @@ def test_ffn_kind_per_layer_and_logical_axes():
     assert ffn["shared"]["w_up"].value.shape == (32, 16)
     every = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, layer_ids=()))
     boxed = jax.eval_shape(lambda: init_params(every, jax.random.key(0)))
-    assert all("router" in boxed[f"block_{i}"]["ffn"] for i in range(3))
+    # every layer MoE: one scanned run, experts stacked [L, E, D, F]
+    assert set(boxed) == {
+        "embed",
+        "final_norm",
+        "layers_0_2",
+    }
+    assert boxed["layers_0_2"]["ffn"]["router"].value.shape == (3, 32, 4)
 
 
 def test_kv_cache_decoding_and_generate_match_the_full_forward():
@@ -285,7 +291,7 @@ def test_tiny_moe_model_trains_and_reports_metrics():
 
 def test_dense_config_has_no_moe_params_or_metrics():
     boxed = jax.eval_shape(lambda: init_params(TINY, jax.random.key(0)))
-    assert set(boxed["block_1"]["ffn"]) == {"w_gate", "w_up", "w_down"}
+    assert set(boxed["layers_0_2"]["ffn"]) == {"w_gate", "w_up", "w_down"}
     assert moe_metrics({"block_0": {"ffn_mix": {"h_res": (jnp.eye(2),)}}}) == {}
 
 

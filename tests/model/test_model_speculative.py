@@ -10,10 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 from scipy import stats
 
 from v41jax.config import EngramConfig, ModelConfig
-from v41jax.model import Transformer, generate, init_params, sampling_probs
+from v41jax.model import Transformer, generate, init_params, sampling_probs, unscan_tree
 from v41jax.model.speculative import speculative_generate
 
 TARGET = ModelConfig(
@@ -31,9 +32,11 @@ DRAFT = dataclasses.replace(TARGET, num_layers=1)
 
 @functools.cache
 def models():
-    tp = init_params(TARGET, jax.random.key(0))
-    # A drafter that agrees often but not always: the target's first layer and head.
-    dp = {k: v for k, v in tp.items() if k != "layers_1"}
+    tp = nn.unbox(init_params(TARGET, jax.random.key(0)))
+    # A drafter that agrees often but not always: the target's first layer and head (the
+    # target's two layers are one scanned run; the one-layer drafter's is "block_0").
+    flat = unscan_tree(tp, TARGET.num_layers)
+    dp = {k: v for k, v in flat.items() if k != "block_1"}
     return tp, dp
 
 
@@ -90,8 +93,8 @@ def test_sampled_output_follows_the_target_law():
     and sampling with the drafter's own law (a plain generate of the drafter) must not."""
     small = dataclasses.replace(TARGET, vocab_size=8)
     small_d = dataclasses.replace(DRAFT, vocab_size=8)
-    tp = init_params(small, jax.random.key(3))
-    dp = {k: v for k, v in tp.items() if k != "layers_1"}
+    tp = nn.unbox(init_params(small, jax.random.key(3)))
+    dp = {k: v for k, v in unscan_tree(tp, small.num_layers).items() if k != "block_1"}
     setting = dict(temperature=1.0, top_k=6)
     prompt = [1, 5, 2]
     b, n = 20_000, 3

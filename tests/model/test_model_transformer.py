@@ -17,13 +17,16 @@ from v41jax.model import (
     count_params,
     init_params,
     model_flops_per_token,
+    scan_tree,
+    unscan_tree,
 )
 
 CFG = ModelConfig(
     vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=32
 )
 B, T = 2, 8
-PARAM_AXES = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm"}
+# "layers": the leading axis of the params a layer scan stacks
+PARAM_AXES = {"vocab", "embed", "mlp", "heads", "kv_heads", "head_dim", "norm", "layers"}
 
 
 @functools.cache
@@ -111,10 +114,11 @@ def test_gqa_equals_mha_with_repeated_kv_weights():
     mha_cfg = dataclasses.replace(CFG, num_kv_heads=CFG.num_heads)
     params = nn.unbox(params_for(CFG))
     r = CFG.num_heads // CFG.num_kv_heads
-    mha = jax.tree.map(lambda x: x, params)
+    mha = unscan_tree(params, CFG.num_layers)  # per-block view (a copy of the dicts)
     for i in range(CFG.num_layers):
         attn = mha[f"block_{i}"]["attn"]
         attn["k"], attn["v"] = (jnp.repeat(attn[n], r, axis=1) for n in ("k", "v"))
+    mha = scan_tree(mha_cfg, mha)
     toks = tokens()
     np.testing.assert_allclose(
         apply(CFG, params, toks).logits, apply(mha_cfg, mha, toks).logits, atol=1e-5
@@ -125,7 +129,8 @@ def test_bf16_compute_with_fp32_params_is_close_to_fp32():
     bf16 = dataclasses.replace(CFG, compute_dtype="bfloat16")
     assert {x.dtype for x in jax.tree.leaves(abstract_params(bf16))} == {jnp.dtype(jnp.float32)}
     # weights 10x the init scale, so the logits are O(1) and bf16 rounding shows
-    params = jax.tree.map(lambda x: x if x.ndim == 1 else 10 * x, nn.unbox(params_for(CFG)))
+    flat = unscan_tree(nn.unbox(params_for(CFG)), CFG.num_layers)  # norm scales are 1-D here
+    params = scan_tree(CFG, jax.tree.map(lambda x: x if x.ndim == 1 else 10 * x, flat))
     out = apply(bf16, params, tokens(), hidden_layers=(0,))
     assert out.logits.dtype == jnp.float32 and out.hidden[0].dtype == jnp.bfloat16
     ref = apply(CFG, params, tokens()).logits

@@ -23,6 +23,13 @@ from v41jax.model.layers import (
     rope_angles,
     swiglu,
 )
+from v41jax.model.layout import (
+    Segment,
+    convert_layout,
+    layer_segments,
+    scan_tree,
+    unscan_tree,
+)
 from v41jax.model.moe import (
     MoE,
     MoEStats,
@@ -62,6 +69,7 @@ __all__ = [
     "MoEStats",
     "ModelOutput",
     "RMSNorm",
+    "Segment",
     "SpeculativeOutput",
     "SwiGLU",
     "Transformer",
@@ -69,6 +77,7 @@ __all__ = [
     "attention_reference",
     "causal_attention",
     "check_sampling_args",
+    "convert_layout",
     "count_params",
     "decode_step",
     "expert_capacity",
@@ -76,6 +85,7 @@ __all__ = [
     "generate",
     "init_cache",
     "init_params",
+    "layer_segments",
     "make_attention_mask",
     "is_moe_layer",
     "make_ffn",
@@ -90,7 +100,9 @@ __all__ = [
     "routed_experts",
     "sample_logits",
     "sampling_probs",
+    "scan_tree",
     "speculative_generate",
     "swiglu",
+    "unscan_tree",
     "update_cache",
 ]

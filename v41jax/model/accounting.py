@@ -30,6 +30,7 @@ from flax import linen as nn
 from flax import traverse_util
 
 from v41jax.config import ModelConfig
+from v41jax.model.layout import first_layer_of_path
 from v41jax.model.moe import expert_width, is_moe_layer, moe_layers
 from v41jax.model.transformer import init_params
 
@@ -117,5 +118,6 @@ def param_accounting(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, 
 
 
 def _layer(path: tuple[str, ...]) -> int:
-    """Block index of a param path ("block_3", ...); -1 outside the blocks."""
-    return int(path[0].removeprefix("block_")) if path[0].startswith("block_") else -1
+    """Block index of a param path ("block_3", ...; the first layer of a scanned
+    "layers_2_5", whose layers share one FFN kind); -1 outside the blocks."""
+    return first_layer_of_path(path)

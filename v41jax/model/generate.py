@@ -1,8 +1,8 @@
 """Autoregressive generation with a KV cache: prefill, single-token decode, and `generate`.
 
-All shapes are static: the cache holds `cfg.max_seq_len` slots per layer, prompts are
-right-padded to P with per-row lengths, and the decode loop is a `lax.scan` of
-`max_new_tokens - 1` steps inside one jit. Row b's prompt fills slots 0..L_b-1 (the padding
+All shapes are static: the cache holds `cfg.max_seq_len` slots per layer (stacked per
+scanned run of layers, see `init_cache`), prompts are right-padded to P with per-row
+lengths, and the decode loop is a `lax.scan` of `max_new_tokens - 1` steps inside one jit. Row b's prompt fills slots 0..L_b-1 (the padding
 after it is written too but never attended, and is overwritten by decoding); its i-th new
 token sits at slot L_b + i. `params` is the tree under "params" (boxed or plain).
 """
@@ -19,6 +19,7 @@ import numpy as np
 from v41jax.config import ModelConfig
 from v41jax.engram import ngram_hash_ids_jax, ngram_hash_ids_step, roll_window
 from v41jax.model.attention import KVCache
+from v41jax.model.layout import layer_segments
 from v41jax.model.sampling import Scalar, check_sampling_args, sample_logits
 from v41jax.model.transformer import Transformer, engram_ids_key
 
@@ -26,13 +27,13 @@ from v41jax.model.transformer import Transformer, engram_ids_key
 class DecodeState(NamedTuple):
     """What decoding carries between steps.
 
-    kv: per-layer KV caches (`init_cache`).
+    kv: the KV caches {segment: {"k", "v"}} (`init_cache`).
     engram_window: int32 [B, max_ngram_size] compressed ids of the last tokens fed (last
         column = most recent; pad_id before the start) when the model has Engram, else None:
         the next token's hash ids need only these (`ngram_hash_ids_step`).
     """
 
-    kv: list[KVCache]
+    kv: dict[str, KVCache]
     engram_window: jax.Array | None = None
 
 
@@ -59,14 +60,18 @@ def _check_compression(cfg: ModelConfig, compression: jax.Array | None) -> None:
         )
 
 
-def init_cache(cfg: ModelConfig, batch_size: int, dtype: Any = None) -> list[KVCache]:
-    """Zeroed per-layer caches `{"k", "v"}: [B, max_seq_len, num_kv_heads, head_dim]`
-    in `dtype` (default: the compute dtype)."""
+def init_cache(cfg: ModelConfig, batch_size: int, dtype: Any = None) -> dict[str, KVCache]:
+    """Zeroed KV caches in `dtype` (default: the compute dtype), one entry per segment of the
+    model (`v41jax.model.layout.layer_segments`): `{"k", "v"}` of shape
+    [L_run, B, max_seq_len, num_kv_heads, head_dim] for a scanned run of L_run layers,
+    [B, max_seq_len, num_kv_heads, head_dim] for a single block."""
     dtype = jnp.dtype(cfg.compute_dtype) if dtype is None else dtype
     shape = (batch_size, cfg.max_seq_len, cfg.num_kv_heads, cfg.resolved_head_dim)
-    return [
-        {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.num_layers)
-    ]
+    out = {}
+    for seg in layer_segments(cfg):
+        full = (seg.stop - seg.start, *shape) if seg.scanned else shape
+        out[seg.name] = {"k": jnp.zeros(full, dtype), "v": jnp.zeros(full, dtype)}
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

@@ -21,6 +21,7 @@ from v41jax import sharding
 from v41jax.config import Config
 from v41jax.mhc import composite_gain
 from v41jax.model import ENGRAM_IDS_PREFIX, moe_metrics
+from v41jax.model.layout import unscan_tree
 from v41jax.train.batches import batch_keys
 from v41jax.train.optimizer import lr_schedule
 from v41jax.train.state import TrainState
@@ -57,11 +58,13 @@ def _forward_loss(model, params, batch, z_loss):
         mutable=["intermediates"],
     )
     loss, metrics = next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
-    moe = moe_metrics(state.get("intermediates", {}))
+    # scanned runs sow stacked [L_run, ...] values: read them per block, in depth order
+    intermediates = unscan_tree(state.get("intermediates", {}), model.cfg.num_layers)
+    moe = moe_metrics(intermediates)
     if moe:
         loss = loss + model.cfg.moe.aux_loss_weight * moe["moe_aux_loss"]
         metrics = dict(metrics, loss=loss, **moe)
-    h_res = _h_res_in_depth_order(state.get("intermediates", {}), model.cfg.num_layers)
+    h_res = _h_res_in_depth_order(intermediates, model.cfg.num_layers)
     if h_res:
         gains = composite_gain([jax.lax.stop_gradient(h) for h in h_res])
         metrics = dict(
@@ -73,7 +76,8 @@ def _forward_loss(model, params, batch, z_loss):
 
 
 def _h_res_in_depth_order(intermediates: dict, num_layers: int) -> list:
-    """[H_res of block 0 attention, block 0 FFN, block 1 attention, ...] as sown."""
+    """[H_res of block 0 attention, block 0 FFN, block 1 attention, ...] as sown, from
+    intermediates in the unscanned layout (`unscan_tree`)."""
     out = []
     for i in range(num_layers):
         out.extend(intermediates.get(f"block_{i}", {}).get("h_res", ()))

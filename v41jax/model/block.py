@@ -1,0 +1,282 @@
+"""One decoder block (`Block`), its per-call inputs, the FFN kinds, and the layer-scan body.
+
+    x <- x + Attn(RMSNorm(x));  x <- x + FFN(RMSNorm(x))        (plain residual, [B, T, D])
+
+Seams, extended by config without rewriting the block:
+- `Block.pre_attention`: the per-layer memory slot before attention (Engram:
+  `h <- h + Engram(h, ids)` at chosen layers; its per-token ids ride in `BlockInputs.extras`).
+- `Block.residual`: the one residual connection used around both sub-layers. It receives the
+  sub-layer as a function so mHC can replace it with n-stream mixing
+  (`x <- H_res x + H_post^T F(H_pre x)`, residual state [B, T, n, C]).
+  With `cfg.mhc.form == "single_pass"` the state between sub-layers is a `SinglePassState`
+  (streams, lagged pre-mapping, pending update; see `v41jax.mhc.layer`): the sub-layers then
+  get an input that is already mixed and normalised, so `attn_norm`/`ffn_norm` hold only
+  their `scale` (`NormScale`), which the single-pass step applies.
+- `make_ffn`: FFN modules keyed by a kind string (`FFN_KINDS`): "dense" (SwiGLU) or "moe"
+  (`v41jax.model.moe.MoE`), chosen per layer by `ffn_kind_for_layer`.
+
+`ScanBlock` is the same block as the body of `nn.scan` over a run of identical layers
+(`v41jax.model.layout`): carry (residual state, the run's stacked KV cache or None), scanned
+input the layer's index within the run, output its hidden state when the run holds a tap.
+The sub-layer outputs are tagged `ATTN_OUT` / `FFN_OUT` for the remat policies.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+
+from v41jax.config import ModelConfig
+from v41jax.engram import Engram
+from v41jax.mhc import MHCResidual, reduce_streams
+from v41jax.mhc.layer import NormScale, SinglePassState, single_pass_materialize
+from v41jax.model.attention import Attention, AttentionLayout, KVCache
+from v41jax.model.layers import RMSNorm, SwiGLU
+from v41jax.model.moe import MoE, expert_width, is_moe_layer
+from v41jax.model.remat import ATTN_OUT, FFN_OUT, tag
+
+RESIDUAL_AXES = ("batch", "length", "act_embed")
+STREAM_AXES = ("batch", "length", "act_streams", "act_embed")  # mHC state [B, T, n, C]
+ENGRAM_IDS_PREFIX = "engram_ids_"
+
+
+def engram_ids_key(layer: int) -> str:
+    """Key in `extras` (and in training batches) of layer `layer`'s Engram hash ids
+    int32 [B, T, (max_ngram_size - 1) * n_head_per_ngram]."""
+    return f"{ENGRAM_IDS_PREFIX}{layer}"
+
+
+class BlockInputs(NamedTuple):
+    """Per-call inputs shared by every block (built once by `Transformer`).
+
+    `extras` carries per-token side inputs of later modules (e.g. Engram hash ids [B, T, N]),
+    keyed by name; the plain block ignores it.
+    """
+
+    positions_BxT: jax.Array
+    layout: AttentionLayout
+    segment_ids_BxT: jax.Array | None = None
+    cache_index_B: jax.Array | None = None
+    extras: Mapping[str, jax.Array] = {}
+
+
+def _dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
+    return jnp.dtype(cfg.compute_dtype), jnp.dtype(cfg.param_dtype)
+
+
+def _out_init_std(cfg: ModelConfig) -> float:
+    """Projections into the residual stream start at `init_std / sqrt(2 L)` (GPT-2) so the
+    stream's variance does not grow with depth at init."""
+    return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+
+
+def _dense_ffn(cfg: ModelConfig) -> nn.Module:
+    dtype, param_dtype = _dtypes(cfg)
+    return SwiGLU(
+        d_ff=cfg.d_ff,
+        init_std=cfg.init_std,
+        out_init_std=_out_init_std(cfg),
+        dtype=dtype,
+        param_dtype=param_dtype,
+    )
+
+
+def _moe_ffn(cfg: ModelConfig) -> nn.Module:
+    dtype, param_dtype = _dtypes(cfg)
+    return MoE(cfg.moe, expert_width(cfg), cfg.init_std, _out_init_std(cfg), dtype, param_dtype)
+
+
+FFN_KINDS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": _dense_ffn, "moe": _moe_ffn}
+
+
+def ffn_kind_for_layer(cfg: ModelConfig, layer: int) -> str:
+    """FFN kind of block `layer`: "moe" at the MoE layers of `cfg.moe`, else "dense"."""
+    return "moe" if is_moe_layer(cfg, layer) else "dense"
+
+
+def make_ffn(cfg: ModelConfig, kind: str = "dense") -> nn.Module:
+    """The FFN module of kind `kind` (one of `FFN_KINDS`): [B, T, D] -> [B, T, D]."""
+    if kind not in FFN_KINDS:
+        raise ValueError(f"unknown FFN kind {kind!r}; known: {sorted(FFN_KINDS)}")
+    return FFN_KINDS[kind](cfg)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder block: [B, T, D] -> ([B, T, D], new KV cache or None)."""
+
+    cfg: ModelConfig
+    layer_index: int
+    ffn_kind: str = "dense"
+
+    def setup(self):
+        c = self.cfg
+        dtype, param_dtype = _dtypes(c)
+        # single_pass: the pre-norms are folded into the mHC pass; only their scales remain
+        norm = (
+            functools.partial(NormScale, c.d_model, param_dtype)
+            if self._folded_norms
+            else functools.partial(RMSNorm, eps=c.norm_eps, param_dtype=param_dtype)
+        )
+        self.attn_norm = norm()
+        self.attn = Attention(
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.resolved_head_dim,
+            rope_theta=c.rope_theta,
+            init_std=c.init_std,
+            out_init_std=_out_init_std(c),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            impl=c.attention_impl,
+            block_size=c.attention_block_size,
+        )
+        self.ffn_norm = norm()
+        self.ffn = make_ffn(c, self.ffn_kind)
+        if self.layer_index in c.engram.layer_ids:
+            self.engram = Engram(
+                c.engram,
+                layer_id=self.layer_index,
+                hidden_size=c.d_model,
+                # with mHC, one key branch per residual stream ([B, T, n, C] hidden states)
+                num_branches=max(c.mhc.n_streams, 1),
+                dtype=dtype,
+                param_dtype=param_dtype,
+            )
+        if c.mhc.enabled:
+            self.attn_mix = MHCResidual(c.mhc, c.d_model, c.norm_eps)
+            self.ffn_mix = MHCResidual(c.mhc, c.d_model, c.norm_eps)
+
+    @property
+    def _folded_norms(self) -> bool:
+        return self.cfg.mhc.enabled and self.cfg.mhc.form == "single_pass"
+
+    def _pre_norm(self, norm: nn.Module, h: jax.Array) -> jax.Array:
+        return h if self._folded_norms else norm(h)
+
+    def __call__(
+        self, x_BxTxD: Any, inputs: BlockInputs, cache: KVCache | None = None
+    ) -> tuple[Any, KVCache | None]:
+        x_BxTxD = self.pre_attention(x_BxTxD, inputs)
+
+        def attention(h):
+            y, new_cache = self.attn(
+                self._pre_norm(self.attn_norm, h),
+                inputs.positions_BxT,
+                inputs.layout,
+                cache,
+                inputs.cache_index_B,
+            )
+            return tag(y, ATTN_OUT), new_cache
+
+        x_BxTxD, new_cache = self.residual(x_BxTxD, attention, "attn")
+
+        def ffn(h):
+            return tag(self.ffn(self._pre_norm(self.ffn_norm, h)), FFN_OUT), None
+
+        x_BxTxD, _ = self.residual(x_BxTxD, ffn, "ffn")
+        return x_BxTxD, new_cache
+
+    def pre_attention(self, x_BxTxD: Any, inputs: BlockInputs) -> Any:
+        """Per-layer memory before attention: `h <- h + Engram(h, ids)` at the layers in
+        `cfg.engram.layer_ids` (ids from `inputs.extras[engram_ids_key(layer)]`), else h.
+        A `SinglePassState` is materialised first (its pending update applied)."""
+        if self.layer_index not in self.cfg.engram.layer_ids:
+            return x_BxTxD
+        if isinstance(x_BxTxD, SinglePassState):
+            state = single_pass_materialize(x_BxTxD)
+            return state._replace(x=self.pre_attention(state.x, inputs))
+        key = engram_ids_key(self.layer_index)
+        if key not in inputs.extras:
+            raise ValueError(
+                f"layer {self.layer_index} has an Engram module but extras has no {key!r} "
+                f"(hash ids [B, T, {self.cfg.engram.num_heads_total}]); got {sorted(inputs.extras)}"
+            )
+        delta_BxTxD = self.engram(x_BxTxD, inputs.extras[key])
+        return nn.with_logical_constraint(
+            x_BxTxD + delta_BxTxD.astype(x_BxTxD.dtype), RESIDUAL_AXES
+        )
+
+    def residual(
+        self,
+        x: jax.Array,
+        sublayer: Callable[[jax.Array], tuple[jax.Array, Any]],
+        site: str,
+    ) -> tuple[Any, Any]:
+        """The residual connection around a sub-layer F; returns (new state, aux).
+
+        Plain: `x <- x + F(x)` on [B, T, C]. mHC (`cfg.mhc.n_streams >= 1`): the state is
+        [B, T, n, C] and `x <- H_res x + H_post^T F(H_pre x)`; H_res [B, T, n, n] is sown
+        as intermediates/h_res for the composite-gain diagnostics. `sublayer` maps a
+        [B, T, C] input to (output, aux) (aux: the new KV cache or None). Form "single_pass":
+        x is a `SinglePassState` and the site's norm scale goes to the mHC pass.
+        """
+        if not self.cfg.mhc.enabled:
+            y, aux = sublayer(x)
+            return nn.with_logical_constraint(x + y.astype(x.dtype), RESIDUAL_AXES), aux
+        mix = self.attn_mix if site == "attn" else self.ffn_mix
+        if self._folded_norms:
+            scale = (self.attn_norm if site == "attn" else self.ffn_norm)()
+            state, aux, h_res_BxTxNxN = mix(x, sublayer, scale)
+            self.sow("intermediates", "h_res", h_res_BxTxNxN)
+            return state._replace(x=nn.with_logical_constraint(state.x, STREAM_AXES)), aux
+        x_new, aux, h_res_BxTxNxN = mix(x, sublayer)
+        self.sow("intermediates", "h_res", h_res_BxTxNxN)
+        return nn.with_logical_constraint(x_new, STREAM_AXES), aux
+
+
+def block_readout(cfg: ModelConfig, x: Any) -> jax.Array:
+    """The [B, T, D] hidden state of a residual state (mHC: the streams summed; single_pass:
+    its pending update applied first)."""
+    if isinstance(x, SinglePassState):
+        return reduce_streams(single_pass_materialize(x).x)
+    return reduce_streams(x) if cfg.mhc.enabled else x
+
+
+def write_rows(stack: jax.Array, layer_cache: jax.Array, j: jax.Array, start_B, t: int):
+    """Copy the T entries row b wrote at slots start[b] .. of one layer's updated cache
+    [B, S, G, K] into layer j of the run's stacked cache [L, B, S, G, K].
+
+    Only these T slots change, so the stack is updated in place (a scatter into the scan
+    carry) instead of writing back a whole [B, S, G, K] layer per layer per step.
+    """
+
+    def rows(c_SxGxK, s):
+        return jax.lax.dynamic_slice_in_dim(c_SxGxK, s, t, axis=0)
+
+    def put(stack_LxSxGxK, rows_TxGxK, s):
+        return jax.lax.dynamic_update_slice(stack_LxSxGxK, rows_TxGxK[None], (j, s, 0, 0))
+
+    new_BxTxGxK = jax.vmap(rows)(layer_cache, start_B)
+    return jax.vmap(put, in_axes=(1, 0, 0), out_axes=1)(stack, new_BxTxGxK, start_B)
+
+
+class ScanBlock(Block):
+    """`Block` as an `nn.scan` body over a run of identical layers (module docstring).
+
+    `(carry, j, inputs) -> (carry, hidden or None)`: carry = (residual state, stacked cache
+    {"k", "v"}: [L, B, S, G, K] or None), j int32 [] the layer's index in the run. With
+    `tap`, the layer's [B, T, D] hidden state is the scan output (stacked to [L, B, T, D]).
+    """
+
+    tap: bool = False
+
+    def __call__(self, carry: tuple[Any, KVCache | None], j: jax.Array, inputs: BlockInputs):
+        x, stack = carry
+        layer_cache = None
+        if stack is not None:
+            layer_cache = jax.tree.map(
+                lambda c: jax.lax.dynamic_index_in_dim(c, j, 0, False), stack
+            )
+        x, new_cache = Block.__call__(self, x, inputs, layer_cache)
+        if stack is not None:
+            t = inputs.positions_BxT.shape[1]
+            stack = {
+                n: write_rows(stack[n], new_cache[n], j, inputs.cache_index_B, t) for n in stack
+            }
+        return (x, stack), (block_readout(self.cfg, x) if self.tap else None)
