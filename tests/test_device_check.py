@@ -207,3 +207,11 @@ def test_install_wheels_offline_into_a_target_folder(tmp_path):
         [sys.executable, "-c", code], env=dict(env, PYTHONPATH=site), capture_output=True, text=True
     )
     assert out.stdout.strip() == "7", out.stderr
+
+
+def test_versions_line_names_a_version_other_than_the_pin():
+    pins = device_env.pinned_versions()
+    assert pins["jax"] and pins["flax"]  # read from requirements.txt
+    line = device_env.versions_line({"jax": "0.11.2", "flax": pins["flax"]}, pins)
+    assert f"jax 0.11.2 (requirements.txt: {pins['jax']})" in line
+    assert f"flax {pins['flax']}," in line and "optax MISSING" in line

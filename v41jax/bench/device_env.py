@@ -29,21 +29,25 @@ try:
     import jax
     devs = jax.devices()
     out["backend"] = jax.default_backend()
-    version = getattr(devs[0].client, "platform_version", "") or ""
-    out["platform_version"] = version
-    out["platform"] = {"gpu": "rocm" if "rocm" in version.lower() else "cuda"}.get(
-        out["backend"], out["backend"])
-    out["devices"] = []
-    for d in devs:
-        stats = {}
-        try:
-            stats = d.memory_stats() or {}
-        except Exception:
-            pass
-        out["devices"].append({"kind": d.device_kind, "id": d.id,
-                               "memory_bytes": stats.get("bytes_limit")})
-except Exception as e:
-    out["backend"], out["error"] = "none", f"{type(e).__name__}: {e}"
+except Exception as e:  # no JAX, or no backend it can start
+    devs, out["backend"], out["error"] = [], "none", f"{type(e).__name__}: {e}"
+version = ""
+try:  # optional facts: their absence must not hide the accelerator
+    version = devs[0].client.platform_version or ""
+except Exception:
+    pass
+out["platform_version"] = version
+gpu = "rocm" if "rocm" in version.lower() else "cuda"
+out["platform"] = {"gpu": gpu}.get(out["backend"], out["backend"])
+out["devices"] = []
+for d in devs:
+    stats = {}
+    try:
+        stats = d.memory_stats() or {}
+    except Exception:
+        pass
+    kind = getattr(d, "device_kind", str(d))
+    out["devices"].append({"kind": kind, "id": d.id, "memory_bytes": stats.get("bytes_limit")})
 print("PROBE" + json.dumps(out))
 """
 
