@@ -26,8 +26,10 @@ from jax.interpreters import mlir
 
 PLATFORMS = ("cpu", "cuda", "tpu")
 
-# Scoped VMEM a TPU kernel gets without asking (16 MiB on v5e, the smallest), and the most
-# a kernel here asks for (v7x has 64 MiB per core; Mosaic needs some for itself).
+# Scoped VMEM a TPU kernel gets without asking (16 MiB on v4/v5e, the smallest default),
+# and the most a kernel here asks for: under the physical VMEM per core of v5p/v7x (64 MiB)
+# and v5e/v6e (128 MiB), with room for Mosaic's own scratch. (v4 and older have 16 MiB in
+# all; there a kernel asking for more fails in the TPU compiler, which runs on the TPU host.)
 TPU_DEFAULT_SCOPED_VMEM = 16 << 20
 TPU_MAX_VMEM = 48 << 20
 # Elements of one Triton tensor (Triton's TRITON_MAX_TENSOR_NUMEL).
