@@ -174,7 +174,7 @@ def test_run_check_skips_stages_past_the_budget_and_fails_on_a_required_one(tmp_
     assert rc == 1
     with open(out) as f:
         (stage,) = json.load(f)["stages"]
-    assert stage["status"] == "skipped" and "budget of 5 s" in stage["note"]
+    assert stage["status"] == "skipped" and "budget ran out (5 s were left" in stage["note"]
 
 
 def _wheel(folder, dist: str, version: str, source: str) -> str:
