@@ -265,8 +265,6 @@ def _pallas_shape_error(kind: str, table, block_tokens: int | None, heads: int, 
                 f"the GPU (Triton) kernel loads (block_tokens, E) = ({bt}, {emb}) tiles, over "
                 f"Triton's {TRITON_MAX_NUMEL} elements per tensor"
             )
-        if table.dtype == jnp.float8_e4m3fn and emb < 2:
-            return f"the GPU kernel reads FP8 rows as byte pairs: needs E >= 2, got E={emb}"
     if kind == "pallas_tpu":
         bt = block_tokens or 8
         if (bt * heads) % 8:

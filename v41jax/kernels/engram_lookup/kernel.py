@@ -280,17 +280,22 @@ def engram_lookup_vector(
 
     Block: ``block_tokens`` tokens per program; each load/store is ``(block_tokens, E)``,
     which the Triton lowering needs to be a power of two in size. An FP8 table (even E)
-    is passed as its ``uint16`` view ``[R, E/2]`` (free) and decoded in the kernel.
+    is passed as its ``uint16`` view ``[R, E/2]`` (free) and decoded in the kernel; odd E
+    (interpreted, or tables under 2^31 elements) reads the bytes directly.
     """
     rows, emb = table_RxE.shape
     heads = ids_NxH.shape[1]
     ids_NxH, n_tokens = _pad_tokens(ids_NxH.astype(jnp.int32), block_tokens)
     has_scale = row_scale_R is not None
     cost = lookup_cost(ids_NxH.size, emb, table_RxE.dtype, out_dtype, has_scale)
-    fp8_pairs = table_RxE.dtype == jnp.float8_e4m3fn
+    fp8 = table_RxE.dtype == jnp.float8_e4m3fn
+    fp8_pairs = fp8 and emb % 2 == 0
+    if fp8 and not fp8_pairs and not interpret and rows * emb > 2**31:
+        raise ValueError(
+            f"engram_lookup_vector: an FP8 table of over 2^31 elements needs an even E (read "
+            f"as uint16 pairs for 32-bit offsets), got E={emb}, R={rows}"
+        )
     if fp8_pairs:
-        if emb % 2:
-            raise ValueError(f"engram_lookup_vector: an FP8 table needs an even E, got E={emb}")
         table_RxE = lax.bitcast_convert_type(table_RxE.reshape(rows, emb // 2, 2), jnp.uint16)
     # The table/scale "blocks" are the whole arrays: on GPU a block is only a base pointer,
     # the kernel's gather load reads just the rows it names.
