@@ -16,7 +16,8 @@ Without an accelerator (the probe's `jax.default_backend()` is cpu, e.g. JAX_PLA
 it prints the plan and exits 0. Nothing is downloaded: wheels missing from this Python are
 installed from the checkout's `.whl/` folder (`pip install --no-index --no-deps --target`),
 and only those whose distribution is not installed already (a preinstalled jax wins).
-This module imports only the standard library, so it runs before any wheel is installed.
+It and `device_env` import only the standard library, so they run before any wheel is
+installed.
 """
 
 from __future__ import annotations

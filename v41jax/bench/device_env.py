@@ -82,7 +82,10 @@ def run_command(command: list[str], timeout_s: float, env: dict, log_path: str) 
             rc = proc.wait(timeout=max(timeout_s, 1))
             status = "passed" if rc == 0 else "failed"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended between the timeout and the kill
+                pass
             rc, status = proc.wait(), "timeout"
     with open(log_path, errors="replace") as f:
         output = f.read()
