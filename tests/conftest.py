@@ -21,7 +21,7 @@ def _shared_cache(tmp_path_factory):
 
 
 def accelerator_platform() -> str | None:
-    """"gpu" or "tpu" when the tests run on an accelerator (scripts/device_check.sh), else None."""
+    """ "gpu" or "tpu" when the tests run on an accelerator (scripts/device_check.sh), else None."""
     import jax
 
     backend = jax.default_backend()
