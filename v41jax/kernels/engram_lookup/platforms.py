@@ -11,6 +11,12 @@ that platform's branch is lowered (or run eagerly). So one call can hold a kerne
 and an error for CPU, and the error appears exactly when the program is lowered for CPU,
 before any kernel is lowered.
 
+Limit (JAX 0.10): lowering ONE program for several platforms at once
+(``lowering_platforms=("cpu", "tpu")``, multi-platform ``jax.export``) fails when a branch
+holds a Pallas call, because JAX lowers every branch for every platform of the module and
+``pallas_call`` refuses CPU without ``interpret``; lowering for one platform (every jit on
+a device) keeps only that platform's branch.
+
 Used by ``engram_lookup`` and ``spec_verify``; any kernel package may use it.
 """
 
