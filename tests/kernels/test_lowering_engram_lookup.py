@@ -82,6 +82,18 @@ def test_cpu_touch_gather_only_in_the_cpu_program():
         assert "stablehlo.while" not in text and "gather" in text
 
 
+def test_auto_on_cpu_is_the_xla_program():
+    """impl="auto" lowered for CPU is exactly impl="xla" (with the touch gather): the Pallas
+    branches of the other platforms leave nothing in it, so it runs as fast as before."""
+    args = (S((1 << 22, 64), jnp.float32), S((4096, 8), jnp.int32))
+
+    def lowered(impl):
+        fn = jax.jit(lambda t, i: engram_lookup(t, i, impl=impl))
+        return fn.trace(*args).lower(lowering_platforms=("cpu",)).as_text(debug_info=False)
+
+    assert lowered("auto") == lowered("xla")
+
+
 def test_one_program_per_platform_from_one_function():
     """The same jitted function lowers to each platform's kernel: the choice is made at
     lowering, not from jax.default_backend() at trace time."""
