@@ -48,13 +48,13 @@ import numpy as np
 from jax import lax
 
 from v41jax.kernels.engram_lookup import kernel as _kernel
-from v41jax.kernels.engram_lookup.platforms import (
+from v41jax.kernels.engram_lookup.reference import engram_lookup_reference
+from v41jax.kernels.platforms import (
     TPU_MAX_VMEM,
     TRITON_MAX_NUMEL,
     by_platform,
     unsupported,
 )
-from v41jax.kernels.engram_lookup.reference import engram_lookup_reference
 
 IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_gpu", "reference")
 

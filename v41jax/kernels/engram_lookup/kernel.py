@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from v41jax.kernels.engram_lookup.platforms import TPU_MAX_VMEM, tpu_vmem_bytes, tpu_vmem_limit
+from v41jax.kernels.platforms import TPU_MAX_VMEM, tpu_vmem_bytes, tpu_vmem_limit
 
 # Ids per pallas_call of the DMA kernel: they all sit in SMEM (4 bytes each), which holds
 # well under 1 MiB on current TPUs, so longer id lists are split into several calls.

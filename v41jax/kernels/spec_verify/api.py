@@ -37,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from v41jax.kernels.engram_lookup.platforms import by_platform, unsupported
+from v41jax.kernels.platforms import by_platform, unsupported
 from v41jax.kernels.spec_verify import kernel as _kernel
 from v41jax.kernels.spec_verify.limits import check_block_v
 from v41jax.kernels.spec_verify.reference import spec_verify_reference

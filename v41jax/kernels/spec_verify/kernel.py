@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from v41jax.kernels.engram_lookup.platforms import tpu_vmem_limit
+from v41jax.kernels.platforms import tpu_vmem_limit
 from v41jax.kernels.spec_verify.limits import blocked_vmem_bytes, check_block_v, verify_cost
 
 _NO_INDEX = 2**31 - 1  # larger than any column: loses every min over column indices

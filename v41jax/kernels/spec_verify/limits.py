@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from v41jax.kernels.engram_lookup.platforms import TPU_MAX_VMEM, TRITON_MAX_NUMEL, tpu_vmem_bytes
+from v41jax.kernels.platforms import TPU_MAX_VMEM, TRITON_MAX_NUMEL, tpu_vmem_bytes
 
 
 def blocked_vmem_bytes(k: int, block_v: int, itemsize: int = 4) -> int:

@@ -17,7 +17,7 @@ holds a Pallas call, because JAX lowers every branch for every platform of the m
 ``pallas_call`` refuses CPU without ``interpret``; lowering for one platform (every jit on
 a device) keeps only that platform's branch.
 
-Used by ``engram_lookup`` and ``spec_verify``; any kernel package may use it.
+Shared by the kernel packages (engram_lookup, spec_verify, ...).
 """
 
 from __future__ import annotations
