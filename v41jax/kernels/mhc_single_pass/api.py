@@ -10,10 +10,12 @@ Implementations (``impl``):
   "xla"        jnp expressions XLA fuses: on CPU one loop fusion writes X_{l+1}, and the
                next input, the projection (a dot) and sum x^2 each re-read it (XLA CPU does
                not fuse them into one pass: 22C of traffic per token at n=4 in f32, vs 10C).
-  "pallas"     ``kernel.single_pass_pallas``: one tiled pass over token blocks (pass
-               ``interpret=True`` on CPU).
+  "pallas"     ``kernel.single_pass_pallas``: one pass tiled over tokens and C, the TPU
+               (Mosaic) or GPU (Triton) variant by the platform the program is lowered
+               for; ``interpret=True`` runs ``pallas_target``'s variant in the interpreter.
   "reference"  ``single_pass_step_reference``: each stage materialised.
-  "auto"       "xla" on CPU, "pallas" on GPU/TPU when the kernel takes the shapes.
+  "auto"       "pallas" when lowered for TPU or CUDA and that kernel takes the shapes,
+               else "xla" (CPU, other platforms); ``interpret`` is ignored.
 Gradients: "xla" and "reference" by autodiff; "pallas" by a ``jax.custom_vjp`` whose
 backward recomputes the "xla" forward and takes its VJP (the pass is memory bound, so the
 recompute costs one more read of the inputs, and nothing but the inputs is saved).
@@ -22,6 +24,7 @@ recompute costs one more read of the inputs, and nothing but the inputs is saved
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -29,9 +32,16 @@ import jax.numpy as jnp
 from jax import lax
 
 from v41jax.kernels.mhc_single_pass import kernel as _kernel
+from v41jax.kernels.mhc_single_pass.dispatch import platform_call
+from v41jax.kernels.mhc_single_pass.plan import TARGETS, Plan, make_plan
 from v41jax.kernels.mhc_single_pass.reference import rms_norm_f32, single_pass_step_reference
 
 IMPLS = ("auto", "xla", "pallas", "reference")
+_NO_KERNEL = (
+    "mhc_single_pass: impl='pallas' was lowered for a platform without a compiled kernel "
+    "(CPU): pass interpret=True to run the kernel in the Pallas interpreter, or use "
+    "impl='auto' / 'xla'"
+)
 
 
 def _step_xla(x, y, h_res, h_post, a_pre, phi, norm_scale, *, norm_eps, out_dtype):
@@ -57,47 +67,35 @@ def _step_xla(x, y, h_res, h_post, a_pre, phi, norm_scale, *, norm_eps, out_dtyp
     return x_new, h_next, proj, sumsq
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """Static choices of one call (hashable: a nondiff argument of the custom_vjp)."""
-
-    norm_eps: float
-    out_dtype: Any
-    block_tokens: int
-    interpret: bool
-    pad_k_to: int | None  # GPU: Triton block shapes must be powers of two
+def _xla_of(spec):
+    return lambda *a: _step_xla(*a, norm_eps=spec.norm_eps, out_dtype=spec.out_dtype)
 
 
-def _xla_of(plan: _Plan):
-    return lambda *a: _step_xla(*a, norm_eps=plan.norm_eps, out_dtype=plan.out_dtype)
-
-
-def _pallas_forward(plan: _Plan, x, y, h_res, h_post, a_pre, phi, norm_scale):
+def _pallas_forward(plan: Plan, x, y, h_res, h_post, a_pre, phi, norm_scale):
     *lead, n, c = x.shape
-    num = max(1, int(jnp.size(y)) // c)
-    bt = plan.block_tokens
-    padded = -(-num // bt) * bt
-    pad = lambda a: jnp.pad(a, [(0, padded - num)] + [(0, 0)] * (a.ndim - 1))
+    num = max(1, int(y.size) // c)
+    # Triton programs are not masked at a ragged edge: the GPU kernel gets a padded token
+    # axis (a copy, only when N is not a block multiple); the TPU grid takes the tail.
+    padded = num if plan.target == "tpu" else -(-num // plan.block_tokens) * plan.block_tokens
+    pad = lambda a: (
+        a if padded == num else jnp.pad(a, [(0, padded - num)] + [(0, 0)] * (a.ndim - 1))
+    )
     flat = lambda a, *tail: pad(a.reshape(num, *tail))
-    phi3 = None
-    k = None
+    phi3 = k = None
     if phi is not None:
         k = phi.shape[-1]
-        phi3 = phi.reshape(n, c, k)
+        phi3 = phi.astype(jnp.float32).reshape(n, c, k)
         if plan.pad_k_to and plan.pad_k_to > k:
             phi3 = jnp.pad(phi3, [(0, 0), (0, 0), (0, plan.pad_k_to - k)])
     outs = _kernel.single_pass_pallas(
+        plan,
         flat(x, n, c),
         flat(y, c),
-        flat(h_res, n * n),
-        flat(h_post, n),
-        flat(a_pre, n),
-        None if norm_scale is None else norm_scale.reshape(1, c),
+        flat(h_res.astype(jnp.float32), n * n),
+        flat(h_post.astype(jnp.float32), n),
+        flat(a_pre.astype(jnp.float32), n),
+        None if norm_scale is None else norm_scale.astype(jnp.float32).reshape(1, c),
         phi3,
-        out_dtype=plan.out_dtype,
-        eps=plan.norm_eps,
-        block_tokens=bt,
-        interpret=plan.interpret,
     )
     x_new = outs[0][:num].reshape(*lead, n, c)
     h_next = outs[1][:num].reshape(*lead, c)
@@ -106,19 +104,29 @@ def _pallas_forward(plan: _Plan, x, y, h_res, h_post, a_pre, phi, norm_scale):
     return x_new, h_next, outs[2][:num, :k].reshape(*lead, k), outs[3][:num, 0].reshape(lead)
 
 
-_pallas_step = jax.custom_vjp(_pallas_forward, nondiff_argnums=(0,))
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Dispatch:
+    """The compiled step: one rule per lowering platform (see ``dispatch.py``)."""
+
+    norm_eps: float
+    out_dtype: Any
+    per_platform: dict
+    default: Any
 
 
-def _pallas_fwd(plan, *args):
-    return _pallas_forward(plan, *args), args
+def _forward(spec, *args):
+    if isinstance(spec, Plan):
+        return _pallas_forward(spec, *args)
+    return platform_call(spec.per_platform, spec.default, _xla_of(spec), *args)
 
 
-def _pallas_bwd(plan, args, g):
-    _, vjp = jax.vjp(_xla_of(plan), *args)
-    return vjp(g)
-
-
-_pallas_step.defvjp(_pallas_fwd, _pallas_bwd)
+# Backward of both the interpreted kernel and the dispatched step: the VJP of the "xla"
+# form, recomputed from the inputs (the only residuals).
+_kernel_step = jax.custom_vjp(_forward, nondiff_argnums=(0,))
+_kernel_step.defvjp(
+    lambda spec, *args: (_forward(spec, *args), args),
+    lambda spec, args, g: jax.vjp(_xla_of(spec), *args)[1](g),
+)
 
 
 def _validate(x, y, h_res, h_post, a_pre, phi, norm_scale) -> None:
@@ -146,18 +154,6 @@ def _validate(x, y, h_res, h_post, a_pre, phi, norm_scale) -> None:
     need(jnp.issubdtype(x.dtype, jnp.floating), f"x must be floating point, got {x.dtype}")
 
 
-def _pallas_shape_error(backend: str, n: int, c: int, block_tokens: int) -> str | None:
-    pow2 = lambda v: v > 0 and v & (v - 1) == 0
-    if backend in ("gpu", "cuda") and not (pow2(n) and pow2(c) and pow2(block_tokens)):
-        return (
-            f"the GPU (Triton) kernel needs power-of-two n, C and block_tokens, got n={n}, "
-            f"C={c}, block_tokens={block_tokens}"
-        )
-    if backend == "tpu" and block_tokens % 8:
-        return f"the TPU kernel needs block_tokens % 8 == 0, got {block_tokens}"
-    return None
-
-
 def mhc_single_pass(
     x: jax.Array,
     y: jax.Array,
@@ -172,46 +168,68 @@ def mhc_single_pass(
     impl: str = "auto",
     interpret: bool = False,
     block_tokens: int | None = None,
+    block_c: int | None = None,
+    pallas_target: str = "tpu",
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
     """One Single-Pass mHC step -> ``(x_new, h_next, proj, sumsq)`` (see ``reference.py``).
 
     Shapes: x [..., n, C], y [..., C], h_res [..., n, n], h_post [..., n], a_pre [..., n],
     phi [n*C, K] or None (no statistics), norm_scale [C] or None (no normalisation).
+    block_tokens / block_c override the kernel's token block and C tile; pallas_target
+    ("tpu" | "gpu") is the kernel variant run by the interpreter (interpret=True). Compiled
+    (interpret=False), "pallas" and "auto" dispatch on the platform the program is lowered
+    for (``dispatch.platform_call``): the TPU kernel on TPU, the GPU kernel on CUDA, and for
+    "auto" the "xla" form on CPU and wherever the kernel cannot take the shape.
     """
     _validate(x, y, h_res, h_post, a_pre, phi, norm_scale)
     if impl not in IMPLS:
         raise ValueError(f"mhc_single_pass: impl must be one of {IMPLS}, got {impl!r}")
+    for name, v in (("block_tokens", block_tokens), ("block_c", block_c)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"mhc_single_pass: {name} must be a positive int, got {v!r}")
+    if pallas_target not in TARGETS:
+        raise ValueError(
+            f"mhc_single_pass: pallas_target must be one of {TARGETS}, got {pallas_target!r}"
+        )
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     n, c = x.shape[-2:]
-    backend = jax.default_backend()
-    num = int(y.size) // c
-    bt = block_tokens or min(256, max(8, -(-num // 8) * 8))
-    if block_tokens is not None and (not isinstance(block_tokens, int) or block_tokens < 1):
-        raise ValueError(
-            f"mhc_single_pass: block_tokens must be a positive int, got {block_tokens!r}"
-        )
-    if impl == "auto":
-        ok = backend != "cpu" and _pallas_shape_error(backend, n, c, bt) is None
-        impl = "pallas" if ok else "xla"
     args = (x, y, h_res, h_post, a_pre, phi, norm_scale)
     if impl == "reference":
         return single_pass_step_reference(*args, norm_eps=norm_eps, out_dtype=out_dtype)
-    plan = _Plan(
-        norm_eps=float(norm_eps),
-        out_dtype=out_dtype,
-        block_tokens=bt,
-        interpret=bool(interpret),
-        pad_k_to=None,
-    )
+    xla = lambda *a: _step_xla(*a, norm_eps=float(norm_eps), out_dtype=out_dtype)
     if impl == "xla":
-        return _xla_of(plan)(*args)
-    if not interpret:
-        if backend == "cpu":
-            raise ValueError("mhc_single_pass: impl='pallas' on CPU needs interpret=True")
-        err = _pallas_shape_error(backend, n, c, bt)
-        if err:
-            raise ValueError(f"mhc_single_pass: {err}")
-        if backend in ("gpu", "cuda") and phi is not None:
-            k = phi.shape[-1]
-            plan = dataclasses.replace(plan, pad_k_to=1 << (k - 1).bit_length())
-    return _pallas_step(plan, *args)
+        return xla(*args)
+
+    def plan_for(target: str, interp: bool) -> Plan:
+        return make_plan(
+            target,
+            num=max(1, int(y.size) // c),
+            n=n,
+            c=c,
+            k=None if phi is None else phi.shape[-1],
+            x_item=x.dtype.itemsize,
+            out_item=out_dtype.itemsize,
+            with_norm=norm_scale is not None,
+            norm_eps=float(norm_eps),
+            out_dtype=out_dtype,
+            block_tokens=block_tokens,
+            block_c=block_c,
+            interpret=interp,
+        )
+
+    if interpret and impl == "pallas":  # the interpreter runs anywhere: no dispatch
+        return _kernel_step(plan_for(pallas_target, True), *args)
+    # Compiled: each platform's rule is lowered only for that platform. A kernel that cannot
+    # take the shape falls back to "xla" under "auto" and is an error under "pallas".
+    per_platform, errors = {}, {}
+    for target, platform in (("tpu", "tpu"), ("gpu", "cuda")):
+        try:
+            per_platform[platform] = functools.partial(_pallas_forward, plan_for(target, False))
+        except ValueError as e:
+            errors[platform] = str(e)
+            per_platform[platform] = xla if impl == "auto" else str(e)
+    if impl == "pallas" and len(errors) == 2:
+        raise ValueError("; ".join(errors.values()))
+    other = xla if impl == "auto" else _NO_KERNEL
+    spec = _Dispatch(float(norm_eps), out_dtype, {**per_platform, "cpu": other}, other)
+    return _kernel_step(spec, *args)

@@ -1,13 +1,37 @@
-"""Pallas kernel of one Single-Pass mHC step: a grid over blocks of tokens.
+"""Pallas kernels of one Single-Pass mHC step, tiled over tokens and over C.
 
-Each grid step loads a [bt, n, C] block of X_l and a [bt, C] block of y = F_l(h_l) once,
-and writes X_{l+1} [bt, n, C], the next sub-layer's input h_{l+1} [bt, C] (mixed with the
-lagged pre-mapping and RMS-normalised) and, when ``phi`` is given, the next coefficients'
-statistics ``vec(X_{l+1}) phi`` [bt, K] and ``sum X_{l+1}^2`` [bt, 1]. HBM traffic per token
-is therefore (n+1)C read + (n+1)C written (+ n^2 + 2n coefficients and K + 1 statistics),
-the ideal bound of REFERENCE.md §2; ``phi`` [n, C, K] has a constant index map, so it is
-fetched once, not per token. The equations are in ``reference.py``; arithmetic is fp32.
-The token count must be a multiple of ``block_tokens`` (``api.py`` pads).
+Per token (equations in ``reference.py``): X_{l+1} = B X_l + c^T y, h_{l+1} = RMSNorm(a
+X_{l+1}) g, and optionally proj = vec(X_{l+1}) phi, sumsq = sum X_{l+1}^2. Everything but
+the RMS scale of h_{l+1} is a sum over C tiles, so each C tile of X_l [bt, n, tc] and y
+[bt, tc] is read once, its X_{l+1} tile written once, and proj, sumsq and sum (a X)^2 are
+accumulated per tile; the RMS scale is applied after the last tile ("normalise after", as
+the coefficient path divides v phi by r after projecting). The ideal traffic of one step
+is (n+1)C read + (n+1)C written per token, plus the n^2 + 2n coefficients and K + 1
+statistics; phi [n, C, K] has a constant index map and is moved once per call.
+
+Two variants (``Plan.target``):
+
+"tpu" (Mosaic TPU): grid (token blocks "parallel", C tiles "arbitrary"). X is viewed as
+  [N*n, C] so a [bt*n, tc] block is dense in VMEM (a [bt, n, tc] block would pad n=4 rows
+  to the 8/16-row tile); stream j is the strided row set j, j+n, ... The h_{l+1} output
+  block [bt, C] stays resident across the C axis: each step parks its unnormalised tile in
+  an f32 VMEM scratch, and the last step normalises all of it and writes h once. proj and
+  sumsq blocks are resident accumulators too. phi is passed as [n, C/tc, K, tc] (K on
+  sublanes: a [C, K] layout would pad K=24 to 128 lanes) and fetched once. VMEM is sized by
+  ``plan.tpu_vmem_bytes`` and requested with ``vmem_limit_bytes``.
+
+"gpu" (Triton, chosen explicitly with ``pltriton.CompilerParams``): JAX 0.10.2 lowers
+  ``pallas_call`` on CUDA to Mosaic GPU by default (``jax_pallas_use_mosaic_gpu``, and
+  that path is deprecated for ``pallas_call`` in favour of ``plgpu.kernel``); Mosaic GPU
+  stages every block, phi included, in shared memory, which is what overflowed 227 KiB.
+  Triton reads blocks straight from global memory into registers, so the grid is over
+  token blocks only and the kernel loops over C tiles in two phases: phase 1 writes the
+  X_{l+1} tiles and the unnormalised h tile and accumulates the sums; phase 2 re-reads the
+  h tiles it just wrote (bt x C x out-size bytes per block, L2-resident) and rescales
+  them. The block-spec traffic is the ideal one; phase 2 adds 2C out-size bytes of L2 (not
+  HBM while the block stays in L2) per token, and in a narrow out dtype h is rounded twice
+  (the unnormalised tile, then the result: at most one extra ulp). Token blocks and C
+  tiles are powers of two (Triton tensor sizes); phi's K is padded to a power of two.
 """
 
 from __future__ import annotations
@@ -18,47 +42,203 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from v41jax.kernels.mhc_single_pass.plan import (
+    GPU_NUM_STAGES,
+    GPU_NUM_WARPS,
+    Block,
+    Plan,
+    block_traffic,
+    item,
+)
+
+_F32 = jnp.float32
+_HI = lax.Precision.HIGHEST
 
 
-def _kernel(*refs, n: int, with_norm: bool, with_stats: bool, eps: float):
+def _accumulate_tile(y, xs, col, store_x, phi_tile, with_stats):
+    """The per-tile arithmetic shared by both variants (fp32): returns the tile of a X_{l+1},
+    its sum of squares per token, and the tile's proj and sumsq contributions. ``col(name,
+    k)`` gives coefficient column k [bt, 1]; ``store_x(i, v)`` stores stream i of X_{l+1}."""
+    n = len(xs)
+    mixed = proj = sumsq = None
+    add = lambda acc, v: v if acc is None else acc + v
+    for i in range(n):
+        xi = col("post", i) * y
+        for j in range(n):
+            xi = xi + col("res", i * n + j) * xs[j]
+        # The statistics and h use the stored (rounded) stream: they then equal what a later
+        # pass would compute from X_{l+1} itself.
+        xi = store_x(i, xi).astype(_F32)
+        mixed = add(mixed, col("pre", i) * xi)
+        if with_stats:
+            proj = add(proj, phi_tile(i, xi))
+            sumsq = add(sumsq, jnp.sum(xi * xi, axis=-1, keepdims=True))
+    return mixed, jnp.sum(mixed * mixed, axis=-1, keepdims=True), proj, sumsq
+
+
+def _tpu_kernel(*refs, n, nct, with_norm, with_stats, eps, c_total):
     x_ref, y_ref, hres_ref, hpost_ref, apre_ref, *rest = refs
-    scale_ref = rest.pop(0) if with_norm else None
+    g_ref = rest.pop(0) if with_norm else None
+    phi_ref = rest.pop(0) if with_stats else None
+    xo_ref, h_ref, *rest = rest
+    proj_ref, ss_ref = (rest.pop(0), rest.pop(0)) if with_stats else (None, None)
+    mix_ref, msq_ref = rest if with_norm else (None, None)
+    ci = pl.program_id(1)
+    bt = y_ref.shape[0]
+
+    @pl.when(ci == 0)
+    def _init():
+        if with_norm:
+            msq_ref[...] = jnp.zeros_like(msq_ref)
+        if with_stats:
+            proj_ref[...] = jnp.zeros_like(proj_ref)
+            ss_ref[...] = jnp.zeros_like(ss_ref)
+
+    coef = {"res": hres_ref, "post": hpost_ref, "pre": apre_ref}
+    col = lambda name, k: coef[name][:, k : k + 1].astype(_F32)
+    rows = lambda i: pl.ds(i, bt, stride=n)  # stream i of the [bt*n, tc] block
+
+    def store_x(i, v):
+        v = v.astype(xo_ref.dtype)
+        xo_ref[rows(i), :] = v
+        return v
+
+    def phi_tile(i, xi):  # [bt, tc] x [K, tc]^T
+        dims = (((1,), (1,)), ((), ()))
+        return lax.dot_general(xi, phi_ref[i, ci], dims, precision=_HI, preferred_element_type=_F32)
+
+    xs = [x_ref[rows(j), :].astype(_F32) for j in range(n)]
+    mixed, msq, proj, sumsq = _accumulate_tile(
+        y_ref[...].astype(_F32), xs, col, store_x, phi_tile, with_stats
+    )
+    if with_stats:
+        proj_ref[...] += proj
+        ss_ref[...] += sumsq
+    if not with_norm:  # h is the mixed tile itself: a [bt, tc] output block
+        h_ref[...] = mixed.astype(h_ref.dtype)
+        return
+    mix_ref[ci] = mixed
+    msq_ref[...] += msq
+
+    @pl.when(ci == nct - 1)
+    def _normalise():
+        inv = lax.rsqrt(msq_ref[...] / c_total + eps)
+        tc = mix_ref.shape[-1]
+        for t in range(nct):  # static slices of the resident [bt, C] block
+            sl = slice(t * tc, (t + 1) * tc)
+            h = mix_ref[t] * inv * g_ref[:, sl].astype(_F32)
+            h_ref[:, sl] = h.astype(h_ref.dtype)
+
+
+def _gpu_kernel(*refs, n, nct, tc, with_norm, with_stats, eps, c_total):
+    x_ref, y_ref, hres_ref, hpost_ref, apre_ref, *rest = refs
+    g_ref = rest.pop(0) if with_norm else None
     phi_ref = rest.pop(0) if with_stats else None
     xo_ref, h_ref, *stat_refs = rest
-    y = y_ref[...].astype(jnp.float32)  # [bt, C]
-    hres = hres_ref[...].astype(jnp.float32)  # [bt, n*n], row-major (i, j)
-    hpost = hpost_ref[...].astype(jnp.float32)  # [bt, n]
-    apre = apre_ref[...].astype(jnp.float32)  # [bt, n]
-    xs = [x_ref[:, j, :].astype(jnp.float32) for j in range(n)]
-    mixed = None
-    proj = sumsq = None
-    # n is small (4): unrolled loops of [bt, C] FMAs keep everything in registers/SRAM.
-    for i in range(n):
-        xi = hpost[:, i : i + 1] * y
-        for j in range(n):
-            xi = xi + hres[:, i * n + j : i * n + j + 1] * xs[j]
-        xi_store = xi.astype(xo_ref.dtype)
-        xo_ref[:, i, :] = xi_store
-        # The statistics and the next input use the stored (rounded) stream, so they equal
-        # the coefficients a later pass would compute from X_{l+1} itself.
-        xi = xi_store.astype(jnp.float32)
-        term = apre[:, i : i + 1] * xi
-        mixed = term if mixed is None else mixed + term
+    bt = y_ref.shape[0]
+    coef = {"res": hres_ref, "post": hpost_ref, "pre": apre_ref}
+    # Column loads from the refs ([bt, 1]): Triton has no slicing of loaded tensors.
+    width = {"res": n * n, "post": n, "pre": n}
+    cols = {(m, k): coef[m][:, pl.ds(k, 1)].astype(_F32) for m in coef for k in range(width[m])}
+
+    def phase1(t, carry):
+        msq_acc, proj_acc, ss_acc = carry
+        sl = pl.ds(pl.multiple_of(t * tc, tc), tc)
+
+        def store_x(i, v):
+            v = v.astype(xo_ref.dtype)
+            xo_ref[:, i, sl] = v
+            return v
+
+        def phi_tile(i, xi):
+            return jnp.dot(xi, phi_ref[i, sl, :].astype(_F32), precision=_HI)
+
+        xs = [x_ref[:, j, sl].astype(_F32) for j in range(n)]
+        mixed, msq, proj, sumsq = _accumulate_tile(
+            y_ref[:, sl].astype(_F32), xs, lambda m, k: cols[m, k], store_x, phi_tile, with_stats
+        )
+        h_ref[:, sl] = mixed.astype(h_ref.dtype)
         if with_stats:
-            p = jnp.dot(xi, phi_ref[i].astype(jnp.float32), precision=lax.Precision.HIGHEST)
-            s = jnp.sum(xi * xi, axis=-1, keepdims=True)
-            proj = p if proj is None else proj + p
-            sumsq = s if sumsq is None else sumsq + s
-    if with_norm:
-        inv = lax.rsqrt(jnp.mean(mixed * mixed, axis=-1, keepdims=True) + eps)
-        mixed = mixed * inv * scale_ref[...].astype(jnp.float32)
-    h_ref[...] = mixed.astype(h_ref.dtype)
+            proj_acc, ss_acc = proj_acc + proj, ss_acc + sumsq
+        return msq_acc + msq, proj_acc, ss_acc
+
+    kp = phi_ref.shape[-1] if with_stats else 1
+    zeros = lambda *s: jnp.zeros(s, _F32)
+    msq, proj, sumsq = lax.fori_loop(0, nct, phase1, (zeros(bt, 1), zeros(bt, kp), zeros(bt, 1)))
     if with_stats:
         stat_refs[0][...] = proj
         stat_refs[1][...] = sumsq
+    if not with_norm:
+        return
+    inv = lax.rsqrt(msq / c_total + eps)
+
+    def phase2(t, _):
+        sl = pl.ds(pl.multiple_of(t * tc, tc), tc)
+        h = h_ref[:, sl].astype(_F32) * inv * g_ref[:, sl].astype(_F32)
+        h_ref[:, sl] = h.astype(h_ref.dtype)
+        return 0
+
+    lax.fori_loop(0, nct, phase2, 0)
+
+
+def block_specs(plan: Plan, num: int, n: int, c: int, k: int | None, x_dtype, with_norm: bool):
+    """``(grid, in_blocks, out_blocks)`` of the kernel: each block as (shape, index map,
+    item size), the operands in kernel order (x, y, h_res, h_post, a_pre[, g][, phi])."""
+    bt, tc = plan.block_tokens, plan.block_c
+    xi, oi = item(x_dtype), item(plan.out_dtype)
+    with_stats = k is not None
+    if plan.target == "tpu":
+        nct = c // tc
+        grid = (-(-num // bt), nct)
+        tok = lambda w, it: ((bt, w), lambda t, ci: (t, 0), it)
+        ins = [((bt * n, tc), lambda t, ci: (t, ci), xi), ((bt, tc), lambda t, ci: (t, ci), xi)]
+        ins += [tok(n * n, 4), tok(n, 4), tok(n, 4)]
+        if with_norm:
+            ins.append(((1, c), lambda t, ci: (0, 0), 4))
+        if with_stats:
+            ins.append(((n, nct, k, tc), lambda t, ci: (0, 0, 0, 0), 4))
+        outs = [((bt * n, tc), lambda t, ci: (t, ci), xi)]
+        outs.append(((bt, c), lambda t, ci: (t, 0), oi) if with_norm else ((bt, tc), ins[1][1], oi))
+        if with_stats:
+            outs += [tok(k, 4), tok(1, 4)]
+        return grid, ins, outs
+    grid = (-(-num // bt),)
+    tok = lambda *tail, it: ((bt, *tail), lambda t: (t,) + (0,) * len(tail), it)
+    ins = [tok(n, c, it=xi), tok(c, it=xi), tok(n * n, it=4), tok(n, it=4), tok(n, it=4)]
+    if with_norm:
+        ins.append(((1, c), lambda t: (0, 0), 4))
+    if with_stats:
+        ins.append(((n, c, plan.pad_k_to), lambda t: (0, 0, 0), 4))
+    outs = [tok(n, c, it=xi), tok(c, it=oi)]
+    if with_stats:
+        outs += [tok(plan.pad_k_to, it=4), tok(1, it=4)]
+    return grid, ins, outs
+
+
+def cost_estimate(plan, num, n, c, k, x_dtype, with_norm) -> pl.CostEstimate:
+    """Flops of the update ((n+1) FMAs per stream element), the mix, the norm and the
+    statistics (a [n*C, K] projection and a sum of squares); one rsqrt per token; bytes
+    from the block specs."""
+    grid, ins, outs = block_specs(plan, num, n, c, k, x_dtype, with_norm)
+    kk = 0 if k is None else (plan.pad_k_to or k)
+    flops = num * (2 * n * (n + 1) * c + 2 * n * c + (3 * c if with_norm else 0))
+    flops += 0 if k is None else num * (2 * n * c * kk + 2 * n * c)
+    return pl.CostEstimate(
+        flops=int(flops),
+        transcendentals=int(num if with_norm else 0),
+        bytes_accessed=int(block_traffic(grid, ins + outs)),
+    )
+
+
+def _spec(block: Block) -> pl.BlockSpec:
+    return pl.BlockSpec(block[0], block[1])
 
 
 def single_pass_pallas(
+    plan: Plan,
     x_NxnxC: jax.Array,
     y_NxC: jax.Array,
     h_res_Nxnn: jax.Array,
@@ -66,48 +246,58 @@ def single_pass_pallas(
     a_pre_Nxn: jax.Array,
     norm_scale_1xC: jax.Array | None,
     phi_nxCxK: jax.Array | None,
-    *,
-    out_dtype,
-    eps: float,
-    block_tokens: int,
-    interpret: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """``(x_new [N,n,C], h_next [N,C][, proj [N,K], sumsq [N,1]])`` for N % block_tokens == 0.
+    """``(x_new [N,n,C], h_next [N,C][, proj [N,K'], sumsq [N,1]])`` with the plan's kernel.
 
-    h_res comes flattened to [N, n*n]; norm_scale as [1, C]; phi as [n, C, K].
+    h_res comes flattened to [N, n*n]; norm_scale as [1, C]; phi as [n, C, K] (the GPU
+    plan wants K already padded to ``plan.pad_k_to``; proj then has that width). The GPU
+    plan needs N % block_tokens == 0 (``api.py`` pads); the TPU grid takes a ragged tail.
     """
     num, n, c = x_NxnxC.shape
-    bt = block_tokens
     with_norm, with_stats = norm_scale_1xC is not None, phi_nxCxK is not None
-    tok = lambda *tail: pl.BlockSpec((bt, *tail), lambda t: (t,) + (0,) * len(tail))
-    whole = lambda shape: pl.BlockSpec(shape, lambda t: (0,) * len(shape))
-    in_specs = [tok(n, c), tok(c), tok(n * n), tok(n), tok(n)]
-    operands = [x_NxnxC, y_NxC, h_res_Nxnn, h_post_Nxn, a_pre_Nxn]
-    if with_norm:
-        in_specs.append(whole((1, c)))
-        operands.append(norm_scale_1xC)
+    k = phi_nxCxK.shape[-1] if with_stats else None
+    grid, ins, outs = block_specs(plan, num, n, c, k, x_NxnxC.dtype, with_norm)
+    nct = c // plan.block_c
+    common = dict(n=n, nct=nct, with_norm=with_norm, with_stats=with_stats, eps=plan.norm_eps)
+    x_op = x_NxnxC
+    phi_op = phi_nxCxK
+    scratch = []
+    if plan.target == "tpu":
+        kernel = functools.partial(_tpu_kernel, **common, c_total=float(c))
+        x_op = x_NxnxC.reshape(num * n, c)
+        if with_stats:  # [n, C, K] -> [n, C/tc, K, tc]: K on sublanes, tiles on a leading axis
+            phi_op = phi_nxCxK.reshape(n, nct, plan.block_c, k).transpose(0, 1, 3, 2)
+        if with_norm:
+            bt = plan.block_tokens
+            scratch = [pltpu.VMEM((nct, bt, plan.block_c), _F32), pltpu.VMEM((bt, 1), _F32)]
+        params = pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"),
+            vmem_limit_bytes=plan.vmem_limit_bytes,
+        )
+    else:
+        kernel = functools.partial(_gpu_kernel, **common, tc=plan.block_c, c_total=float(c))
+        params = pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=GPU_NUM_STAGES)
+    operands = [x_op, y_NxC, h_res_Nxnn, h_post_Nxn, a_pre_Nxn]
+    operands += [norm_scale_1xC] if with_norm else []
+    operands += [phi_op] if with_stats else []
     out_shape = [
-        jax.ShapeDtypeStruct((num, n, c), x_NxnxC.dtype),
-        jax.ShapeDtypeStruct((num, c), out_dtype),
+        jax.ShapeDtypeStruct(x_op.shape, x_NxnxC.dtype),
+        jax.ShapeDtypeStruct((num, c), plan.out_dtype),
     ]
-    out_specs = [tok(n, c), tok(c)]
     if with_stats:
-        k = phi_nxCxK.shape[-1]
-        in_specs.append(whole((n, c, k)))
-        operands.append(phi_nxCxK)
         out_shape += [
-            jax.ShapeDtypeStruct((num, k), jnp.float32),
-            jax.ShapeDtypeStruct((num, 1), jnp.float32),
+            jax.ShapeDtypeStruct((num, outs[2][0][1]), _F32),
+            jax.ShapeDtypeStruct((num, 1), _F32),
         ]
-        out_specs += [tok(k), tok(1)]
-    kernel = functools.partial(
-        _kernel, n=n, with_norm=with_norm, with_stats=with_stats, eps=float(eps)
-    )
-    return pl.pallas_call(
+    outs_arr = pl.pallas_call(
         kernel,
-        grid=(num // bt,),
-        in_specs=in_specs,
-        out_specs=out_specs,
+        grid=grid,
+        in_specs=[_spec(b) for b in ins],
+        out_specs=[_spec(b) for b in outs],
         out_shape=out_shape,
-        interpret=interpret,
+        scratch_shapes=scratch,
+        compiler_params=params,
+        cost_estimate=cost_estimate(plan, num, n, c, k, x_NxnxC.dtype, with_norm),
+        interpret=plan.interpret,
     )(*operands)
+    return (outs_arr[0].reshape(num, n, c), *outs_arr[1:])

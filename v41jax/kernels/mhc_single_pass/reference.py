@@ -1,4 +1,4 @@
-"""Step-by-step (unfused) reference of one Single-Pass mHC step (REFERENCE.md §2).
+"""Step-by-step (unfused) reference of one Single-Pass mHC step (the lagged form).
 
 Per token, with the coefficients of X_l already known (B = H_res [n, n], c = H_post [n],
 a = H_pre [n], all fp32) and F's output y [C]:
