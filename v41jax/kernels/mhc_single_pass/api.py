@@ -16,9 +16,10 @@ Implementations (``impl``):
   "reference"  ``single_pass_step_reference``: each stage materialised.
   "auto"       "pallas" when lowered for TPU or CUDA and that kernel takes the shapes,
                else "xla" (CPU, other platforms); ``interpret`` is ignored.
-Gradients: "xla" and "reference" by autodiff; "pallas" by a ``jax.custom_vjp`` whose
-backward recomputes the "xla" forward and takes its VJP (the pass is memory bound, so the
-recompute costs one more read of the inputs, and nothing but the inputs is saved).
+Gradients: "xla" and "reference" by autodiff; "pallas" and "auto" by a ``jax.custom_vjp``
+whose backward recomputes the "xla" forward and takes its VJP (the pass is memory bound, so
+the recompute costs one more read of the inputs, and nothing but the inputs is saved; on
+CPU "auto" thus recomputes the XLA forward instead of keeping its residuals).
 """
 
 from __future__ import annotations

@@ -22,12 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from v41jax.kernels.platforms import TPU_MAX_VMEM
+
 TARGETS = ("tpu", "gpu")
 # TPU: VMEM budget of the tiles we choose (v5e's default scoped limit is 16 MiB, v6e/v7x's
 # 32 MiB; physical VMEM is 64 MiB on v7x): the kernel asks for its need plus headroom via
 # ``vmem_limit_bytes``, and shapes needing more than the hard limit are refused.
 TPU_VMEM_BUDGET = 24 << 20
-TPU_VMEM_HARD_LIMIT = 48 << 20
+TPU_VMEM_HARD_LIMIT = TPU_MAX_VMEM  # 48 MiB: under v7x's 64 MiB, room for Mosaic scratch
 TPU_VMEM_HEADROOM = 4 << 20
 # GPU: H100/H200 allow 227 KiB of shared memory per block (232448 bytes).
 GPU_SMEM_LIMIT = 232448
