@@ -13,7 +13,7 @@ from flax import linen as nn
 from v41jax.config import ModelConfig
 from v41jax.mhc import FORMS, MHCConfig, expand_streams
 from v41jax.mhc.single_pass import single_pass_forward_reference
-from v41jax.model import Transformer, decode_step, prefill
+from v41jax.model import Transformer, decode_step, prefill, unscan_tree
 from v41jax.model.attention import AttentionLayout
 from v41jax.model.layers import Embed
 from v41jax.model.transformer import Block
@@ -76,6 +76,7 @@ def _single_pass_by_hand(cfg, params):
     arange = jnp.broadcast_to(jnp.arange(TOKENS.shape[1]), TOKENS.shape)
     layout = AttentionLayout(arange, arange)
     fns, mix_params, scales = [], [], []
+    params = unscan_tree(params, cfg.num_layers)  # one "block_{i}" per layer
     for i in range(cfg.num_layers):
         p = params[f"block_{i}"]
 
@@ -97,7 +98,9 @@ def test_single_pass_model_equals_hand_composed_lagged_equations():
     cfg = _cfg("single_pass")
     params = _perturb(_init(cfg))
     ref_tree = _init(_cfg("reference"))  # same param names and shapes as the reference form
-    assert jax.tree.map(jnp.shape, params) == jax.tree.map(jnp.shape, ref_tree)
+    # (per block: single_pass runs layer 0 apart from the scanned run, so the runs differ)
+    flat, ref_flat = (unscan_tree(t, cfg.num_layers) for t in (params, ref_tree))
+    assert jax.tree.map(jnp.shape, flat) == jax.tree.map(jnp.shape, ref_flat)
 
     def by_hand(p):
         return jnp.sum(_single_pass_by_hand(cfg, p) * WEIGHTS)
@@ -112,8 +115,9 @@ def test_single_pass_model_equals_hand_composed_lagged_equations():
     _, state = Transformer(cfg).apply(
         {"params": params}, TOKENS, mutable=["intermediates"], hidden_layers=(0,)
     )
+    sown = unscan_tree(state["intermediates"], cfg.num_layers)  # scanned runs sow stacked
     for i in range(cfg.num_layers):
-        h_res = state["intermediates"][f"block_{i}"]["h_res"]
+        h_res = sown[f"block_{i}"]["h_res"]
         assert len(h_res) == 2 and h_res[0].shape == (2, 9, 4, 4)
         np.testing.assert_allclose(jnp.sum(h_res[1], axis=-1), 1.0, atol=1e-3)
 

@@ -10,7 +10,14 @@ from flax import linen as nn
 from v41jax.config import ModelConfig
 from v41jax.engram import EngramConfig, ngram_hash_ids_np
 from v41jax.mhc import MHCConfig
-from v41jax.model import Transformer, decode_step, engram_ids_key, prefill
+from v41jax.model import (
+    Transformer,
+    decode_step,
+    engram_ids_key,
+    prefill,
+    scan_tree,
+    unscan_tree,
+)
 
 BASE = ModelConfig(
     vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=32
@@ -23,9 +30,10 @@ def _init(cfg, extras=None):
 
 
 def test_n1_with_gates_pinned_to_one_is_the_plain_model():
-    plain = _init(BASE)
+    # per-block views of both trees (the blocks run as scanned runs)
+    plain = unscan_tree(_init(BASE), BASE.num_layers)
     cfg = dataclasses.replace(BASE, mhc=MHCConfig(n_streams=1))
-    params = _init(cfg)
+    params = unscan_tree(_init(cfg), BASE.num_layers)
     for name in plain:  # share every backbone weight
         if name.startswith("block_"):
             for sub, value in plain[name].items():
@@ -39,8 +47,8 @@ def test_n1_with_gates_pinned_to_one_is_the_plain_model():
             # fp32, 2 * sigmoid(0) == 1; H_res of a 1x1 is exactly 1.
             p["alpha"] = jnp.zeros_like(p["alpha"])
             p["bias"] = jnp.array([30.0, 0.0, 0.0], jnp.float32)
-    want = Transformer(BASE).apply({"params": plain}, TOKENS).logits
-    got = Transformer(cfg).apply({"params": params}, TOKENS).logits
+    want = Transformer(BASE).apply({"params": scan_tree(BASE, plain)}, TOKENS).logits
+    got = Transformer(cfg).apply({"params": scan_tree(cfg, params)}, TOKENS).logits
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 

@@ -176,20 +176,17 @@ def convert_layout(tree: Any, segments: tuple[Segment, ...]) -> Any:
 
     Leaves keep their values: a scanned segment's leaf is `stack([leaf of layer a, ...])`,
     an unscanned one is the layer's own leaf (sliced out of a stacked segment when needed).
-    Works through dicts, lists, tuples and NamedTuples (optax states); other nodes are kept.
+    Layered dicts are found anywhere in a pytree (optax states, train-state dataclasses).
     """
-    if is_layered(tree):
-        tree = _convert_dict(tree, segments)
-        return {
-            k: v if layer_range(str(k)) else convert_layout(v, segments) for k, v in tree.items()
-        }
-    if isinstance(tree, Mapping):
-        return {k: convert_layout(v, segments) for k, v in tree.items()}
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return type(tree)(*(convert_layout(v, segments) for v in tree))
-    if isinstance(tree, list | tuple):
-        return type(tree)(convert_layout(v, segments) for v in tree)
-    return tree
+    return jax.tree.map(
+        lambda x: _convert_dict(x, segments) if is_layered(x) else x, tree, is_leaf=is_layered
+    )
+
+
+def segments_of(names: Any) -> tuple[Segment, ...]:
+    """The segments named by `names` (segment names; other names are skipped), in order."""
+    ranges = sorted((r, str(n)) for n in names if (r := layer_range(str(n))))
+    return tuple(Segment(n, a, b, "") for (a, b), n in ranges)
 
 
 def scan_tree(cfg: ModelConfig, tree: Any) -> Any:
@@ -204,11 +201,12 @@ def unscan_tree(tree: Any, num_layers: int) -> Any:
 
 def layout_of(tree: Any) -> tuple[str, ...]:
     """The sorted segment names of the first layered dict found in `tree` (() if none)."""
-    if is_layered(tree):
-        return tuple(sorted(str(k) for k in tree if layer_range(str(k))))
-    children = tree.values() if isinstance(tree, Mapping) else tree
-    if isinstance(tree, Mapping | list | tuple):
-        for v in children:
-            if found := layout_of(v):
-                return found
-    return ()
+    found: list[tuple[str, ...]] = []
+
+    def visit(x):
+        if is_layered(x) and not found:
+            found.append(tuple(sorted(str(k) for k in x if layer_range(str(k)))))
+        return x
+
+    jax.tree.map(visit, tree, is_leaf=is_layered)
+    return found[0] if found else ()
