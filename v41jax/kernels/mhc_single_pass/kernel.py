@@ -21,17 +21,20 @@ Two variants (``Plan.target``):
   ``plan.tpu_vmem_bytes`` and requested with ``vmem_limit_bytes``.
 
 "gpu" (Triton, chosen explicitly with ``pltriton.CompilerParams``): JAX 0.10.2 lowers
-  ``pallas_call`` on CUDA to Mosaic GPU by default (``jax_pallas_use_mosaic_gpu``, and
-  that path is deprecated for ``pallas_call`` in favour of ``plgpu.kernel``); Mosaic GPU
-  stages every block, phi included, in shared memory, which is what overflowed 227 KiB.
-  Triton reads blocks straight from global memory into registers, so the grid is over
-  token blocks only and the kernel loops over C tiles in two phases: phase 1 writes the
-  X_{l+1} tiles and the unnormalised h tile and accumulates the sums; phase 2 re-reads the
-  h tiles it just wrote (bt x C x out-size bytes per block, L2-resident) and rescales
-  them. The block-spec traffic is the ideal one; phase 2 adds 2C out-size bytes of L2 (not
-  HBM while the block stays in L2) per token, and in a narrow out dtype h is rounded twice
-  (the unnormalised tile, then the result: at most one extra ulp). Token blocks and C
-  tiles are powers of two (Triton tensor sizes); phi's K is padded to a power of two.
+  ``pallas_call`` on CUDA to Mosaic GPU by default (``jax_pallas_use_mosaic_gpu``; that
+  path is deprecated for ``pallas_call`` in favour of ``plgpu.kernel``). Mosaic GPU stages
+  every block, phi included, in shared memory (what overflowed 227 KiB: 863,240 bytes at
+  C = 1024), and a C-tiled Mosaic GPU form would need its own pipeline (``plgpu.kernel``,
+  TMA, Hopper-only). Triton reads blocks straight from global memory into registers, runs
+  on any CUDA GPU, and this memory-bound pass needs no tensor-core pipeline: the grid is
+  over token blocks and the kernel loops over C tiles in two phases. Phase 1 writes the
+  X_{l+1} tiles and the unnormalised h tiles and accumulates the sums; after a barrier (a
+  thread may read h elements another thread stored), phase 2 re-reads the h tiles and
+  rescales them. The block-spec traffic is the ideal one; phase 2 adds 2C x out-size bytes
+  per token of re-read (L2-resident: bt x C x out-size per program, 224 KiB at bt = 16,
+  C = 7168, bf16), and in a narrow out dtype h is rounded twice (the unnormalised tile,
+  then the result: at most one extra ulp). Token blocks and C tiles are powers of two
+  (Triton tensor sizes); phi's K is padded to a power of two.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ def _tpu_kernel(*refs, n, nct, with_norm, with_stats, eps, c_total):
             h_ref[:, sl] = h.astype(h_ref.dtype)
 
 
-def _gpu_kernel(*refs, n, nct, tc, with_norm, with_stats, eps, c_total):
+def _gpu_kernel(*refs, n, nct, tc, with_norm, with_stats, eps, c_total, barrier):
     x_ref, y_ref, hres_ref, hpost_ref, apre_ref, *rest = refs
     g_ref = rest.pop(0) if with_norm else None
     phi_ref = rest.pop(0) if with_stats else None
@@ -174,6 +177,8 @@ def _gpu_kernel(*refs, n, nct, tc, with_norm, with_stats, eps, c_total):
     if not with_norm:
         return
     inv = lax.rsqrt(msq / c_total + eps)
+    if barrier:  # phase 2 may read h elements another thread of the program stored
+        pltriton.debug_barrier()
 
     def phase2(t, _):
         sl = pl.ds(pl.multiple_of(t * tc, tc), tc)
@@ -275,7 +280,13 @@ def single_pass_pallas(
             vmem_limit_bytes=plan.vmem_limit_bytes,
         )
     else:
-        kernel = functools.partial(_gpu_kernel, **common, tc=plan.block_c, c_total=float(c))
+        kernel = functools.partial(
+            _gpu_kernel,
+            **common,
+            tc=plan.block_c,
+            c_total=float(c),
+            barrier=not plan.interpret,  # the interpreter has no threads (nor a rule for it)
+        )
         params = pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=GPU_NUM_STAGES)
     operands = [x_op, y_NxC, h_res_Nxnn, h_post_Nxn, a_pre_Nxn]
     operands += [norm_scale_1xC] if with_norm else []
