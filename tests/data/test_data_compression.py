@@ -1,4 +1,4 @@
-"""Tokenizer compression (REFERENCE.md §1): canonical ids for case/accent/space variants."""
+"""Tokenizer compression (Engram): canonical ids for case/accent/space variants."""
 
 import numpy as np
 import pytest

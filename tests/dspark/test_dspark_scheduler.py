@@ -1,6 +1,6 @@
 """The DSpark verify-length scheduler (v41jax/dspark/scheduler.py) and its cost table.
 
-The scheduler's rule (REFERENCE.md §4): survivals s[b, j] = prod_{i<=j} c[b, i]; each request
+The scheduler's rule (DSpark): survivals s[b, j] = prod_{i<=j} c[b, i]; each request
 verifies at least one draft; for every budget n, tau(n) = B + sum of the n largest survivals
 (the first B forced), throughput(n) = tau(n) / cost(tokens(n)); the budget is the global
 argmax, with a fallback to full length K unless the gain over it is > min_gain. The jitted

@@ -1,4 +1,4 @@
-"""Engram layer: the gate against a hand-written NumPy reference (REFERENCE.md §1), the fused
+"""Engram layer: the gate against a hand-written NumPy reference (arXiv 2601.07372), the fused
 multi-branch keys, the short conv, fp8/bf16 tables, sparse table gradients, clear errors."""
 
 import dataclasses
@@ -41,7 +41,7 @@ def np_rms_norm(x, scale, eps):
 
 
 def np_gate_value(p, h_btmd, e_bte, eps=1e-6):
-    """REFERENCE.md §1 written out branch by branch, in float64."""
+    """The Engram layer (arXiv 2601.07372) written out branch by branch, in float64."""
     p = {k: np.asarray(v, np.float64) for k, v in p.items()}
     e = np.asarray(e_bte, np.float64)
     d = h_btmd.shape[-1]

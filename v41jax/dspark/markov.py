@@ -1,4 +1,4 @@
-"""The DSpark Markov head (REFERENCE.md §4): a low-rank transition bias between consecutive
+"""The DSpark Markov head (DeepSeek-V4.1 report): a low-rank transition bias between consecutive
 draft tokens, added to the drafter's parallel base logits. Pure functions, no Linen.
 
 With base logits b_k [V] for draft position k = 1..K (one parallel drafter forward), the

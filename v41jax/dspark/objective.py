@@ -1,4 +1,4 @@
-"""The drafter's training objective on a frozen target (REFERENCE.md §4).
+"""The drafter's training objective on a frozen target (DSpark, DeepSeek-V4.1 report).
 
 A packed batch of sequences x [B, T] goes once through the frozen target, giving its features
 f_t (the configured layers' outputs, concatenated: F = len(layers) * D) and its next-token
@@ -13,7 +13,7 @@ previous token (teacher forcing):
     w_k = decay^(k-1) * [position a+k-1 is in the anchor's document and a+k-1 < T]
 
 1 - TV(q, p) = sum_v min(p, q) is the probability the exact verifier accepts a draft from q
-(REFERENCE.md §3), so the confidence head learns the per-position acceptance probability and
+(Leviathan et al. 2023), so the confidence head learns the per-position acceptance probability and
 the soft cross-entropy pulls q towards the distribution the verifier compares it with.
 With `targets="tokens"`, p_k is the one-hot of the corpus token (plain next-token training).
 """

@@ -1,4 +1,4 @@
-"""Confidence-scheduled verify lengths (DSpark, REFERENCE.md §4).
+"""Confidence-scheduled verify lengths (DSpark, DeepSeek-V4.1 report).
 
 A decode step holds B requests, each with K drafts and per-draft confidences c [B, K] (the
 drafter's estimate of the conditional acceptance probability of draft j given drafts < j).

@@ -1,4 +1,4 @@
-"""Engram layer: a gated, hashed n-gram memory read into the residual stream (REFERENCE.md §1).
+"""Engram layer: a gated, hashed n-gram memory read into the residual stream (arXiv 2601.07372).
 
 Shapes: B batch, T time, M residual branches, D model width, H = (N-1) * n_head_per_ngram
 hash heads (order-major), C = head_dim, E = H * C, R = table rows. Per position t:
@@ -47,7 +47,7 @@ Params = dict[str, jax.Array]
 # (table [R, C], flat row ids int32 [B, T, H], row_scale [R] | None) -> e float32 [B, T, E]
 LookupFn = Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array]
 
-_GATE_FLOOR = 1e-6  # |s| floor inside the signed sqrt (REFERENCE.md §1): keeps its grad finite
+_GATE_FLOOR = 1e-6  # |s| floor inside the signed sqrt (the paper's): keeps its grad finite
 
 # ----------------------------------------------------------------------------- pure cores
 

@@ -1,4 +1,4 @@
-"""Engram parameter accounting and table sizing for a parameter budget (REFERENCE.md §1).
+"""Engram parameter accounting and table sizing for a parameter budget (Engram, arXiv 2601.07372).
 
 Per Engram layer l, with E = (N-1) * n_embed_per_ngram, D = hidden_size, M = branches:
 

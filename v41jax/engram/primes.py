@@ -1,4 +1,4 @@
-"""Prime table sizes for Engram's hashed n-gram heads (REFERENCE.md §1, "Primes").
+"""Prime table sizes for Engram's hashed n-gram heads (Engram, arXiv 2601.07372, "Primes").
 
 Every (layer, order, head) gets its own prime table size so that no two heads share a
 modulus. The assignment is the public demo's, bit for bit: one `seen` set across all layers,

@@ -1,4 +1,4 @@
-"""Row-sharded Engram table lookup over a (data, fsdp, tensor) mesh (REFERENCE.md §1).
+"""Row-sharded Engram table lookup over a (data, fsdp, tensor) mesh (Engram, arXiv 2601.07372).
 
 An Engram layer reads `e[b, t] = concat_h table[ids[b, t, h]]` from one flat table
 `table [R, E]` (R = sum of the per-head primes, up to billions of rows). The table is split

@@ -1,6 +1,6 @@
 """Paper-fused mHC post + residual apply, and the naive unfused form it replaces.
 
-REFERENCE.md §2: per token, ``x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)`` with
+mHC, arXiv 2512.24880: per token, ``x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)`` with
 ``x_l`` of shape [n, C], H_res [n, n], H_post [1, n]. Given F's output ``y = F(H_pre x_l)``
 [C], the post + residual apply is
 

@@ -1,4 +1,4 @@
-"""`MHCResidual`: the Linen shell that owns one sub-layer's mHC params (REFERENCE.md §2).
+"""`MHCResidual`: the Linen shell that owns one sub-layer's mHC params (mHC, arXiv 2512.24880).
 
 A thin shell over the pure functions: it creates the params with logical axis names and
 applies one of the three forms (`MHCConfig.form`). One instance wraps one sub-layer

@@ -1,6 +1,6 @@
 """Reference mHC: the paper's equations step by step, as pure functions of explicit params.
 
-mHC, "Manifold-Constrained Hyper-Connections" (arXiv 2512.24880; REFERENCE.md §2). The
+mHC, "Manifold-Constrained Hyper-Connections" (arXiv 2512.24880). The
 residual state is n streams, x of shape [n, C] per token; around every sub-layer F
 
     x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)          H_pre, H_post: 1 x n; H_res: n x n

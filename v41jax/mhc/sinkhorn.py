@@ -1,6 +1,6 @@
 """Sinkhorn-Knopp projection of [..., n, n] logits onto (near) doubly-stochastic matrices.
 
-mHC (arXiv 2512.24880, REFERENCE.md §2) constrains the residual mixing matrix H_res to the
+mHC (arXiv 2512.24880) constrains the residual mixing matrix H_res to the
 Birkhoff polytope: non-negative, every row and every column summing to 1. A doubly-stochastic
 matrix has spectral norm <= 1 and products of them stay doubly stochastic, so the composite
 residual gain across depth stays ~1. Two orderings are implemented (`variant`):

@@ -13,7 +13,7 @@ token j from p_j whatever came before), a lossless pipeline emits, at every posi
 so the emitted stream is the target's, whatever the drafter and the lengths. The acceptance
 law (equation (2) of the verifier audit) needs q and is not checked here.
 
-Why the length may depend on draft-side information only. The exact verifier (REFERENCE.md §3)
+Why the length may depend on draft-side information only. The exact verifier (Leviathan et al. 2023)
 emits law p_j at position j given the accepted prefix provided that, conditional on that
 prefix, the draft d_j was sampled from the q_j(. | d_<j) it is given, with fresh randomness,
 and the verifier's uniforms are fresh. A length L keeps (1) if it is a function of information

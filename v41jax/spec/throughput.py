@@ -1,4 +1,4 @@
-"""The throughput model of speculative decoding (REFERENCE.md §3).
+"""The throughput model of speculative decoding (Leviathan et al. 2023).
 
 A round drafts K tokens and verifies them with one target pass. Let a_k be the probability
 that draft k is accepted given drafts 1..k-1 were (the conditional acceptance rate; i.i.d.
