@@ -67,13 +67,17 @@ def _flat(cfg):
 def _params(name):
     """(unscanned params, the same values in the scanned layout), perturbed off init."""
     cfg = CONFIGS[name]
-    flat = nn.unbox(init_params(_flat(cfg), jax.random.key(0)))
-    leaves, tree = jax.tree.flatten(flat)
-    keys = jax.random.split(jax.random.key(7), len(leaves))
-    flat = tree.unflatten(
-        [x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-    )
-    return flat, scan_tree(cfg, flat)
+
+    @jax.jit
+    def perturbed(key):
+        flat = nn.unbox(init_params(_flat(cfg), key))
+        leaves, tree = jax.tree.flatten(flat)
+        keys = jax.random.split(jax.random.key(7), len(leaves))
+        noise = [0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+        return tree.unflatten([x + n for x, n in zip(leaves, noise, strict=True)])
+
+    flat = perturbed(jax.random.key(0))
+    return flat, jax.jit(functools.partial(scan_tree, cfg))(flat)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "taps"))
@@ -149,9 +153,11 @@ def test_cached_forward_writes_only_its_slots_of_the_stacked_cache():
 
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 def test_every_remat_policy_gives_the_values_and_grads_of_none(policy):
-    _, scanned = _params("mixed")
-    (v0, (logits0, _)), g0 = _loss_and_grad(MIXED, scanned)
-    rcfg = dataclasses.replace(MIXED, remat_policy=policy)
+    # mHC "fused": one scanned run (remat inside the scan body); the unscanned blocks'
+    # remat is exercised by tests/mhc/test_mhc_forms.py (single_pass + Engram)
+    _, scanned = _params("fused")
+    (v0, (logits0, _)), g0 = _loss_and_grad(FUSED, scanned)
+    rcfg = dataclasses.replace(FUSED, remat_policy=policy)
     (v1, (logits1, _)), g1 = _loss_and_grad(rcfg, scanned)
     np.testing.assert_allclose(logits1, logits0, atol=1e-6)
     np.testing.assert_allclose(v1, v0, rtol=1e-6)

@@ -2,6 +2,7 @@
 
 A checkpoint at step s holds everything needed to continue as if never stopped: params,
 optimizer state, step, RNG (item "state") and the data iterator's position (item "data").
+A checkpoint of the other layer layout (scanned or not) is converted on restore.
 Orbax writes into a temporary directory and renames it when complete, so a process killed
 mid-save (SIGKILL) leaves the previous checkpoint intact and the partial one is ignored.
 """
@@ -12,7 +13,10 @@ import os
 import signal
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
+
+from v41jax.model.layout import convert_layout, layout_of, segments_of
 
 
 class Checkpointer:
@@ -51,7 +55,42 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """Restore into the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
+        """Restore into the shardings carried by `abstract_state` (ShapeDtypeStructs).
+
+        A checkpoint written with the other layer layout (scanned runs "layers_a_b" vs one
+        "block_i" per layer, e.g. a run saved before layers were scanned) is read in its own
+        layout and converted (`v41jax.model.layout.convert_layout`: stacked or sliced along
+        the leading axis, params and optimizer moments alike), then placed into the target
+        shardings.
+        """
+        saved = layout_of(self._saved_params(step))
+        target = layout_of(getattr(abstract_state, "params", abstract_state))
+        if not saved or not target or saved == target:
+            return self._restore(step, abstract_state)
+        read_as = convert_layout(abstract_state, segments_of(saved))
+        try:
+            state, data = self._restore(step, read_as)
+        except Exception as e:
+            raise ValueError(
+                f"checkpoint {step} in {self.directory} has layer layout {list(saved)}, the "
+                f"model has {list(target)}, and converting it failed ({e}); restore it with "
+                "the config it was written with (model.scan_layers) and convert the params "
+                "with v41jax.model.convert_layout"
+            ) from e
+        converted = convert_layout(state, segments_of(target))
+        shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
+        return jax.device_put(converted, shardings), data
+
+    def _saved_params(self, step: int) -> Any:
+        """The saved state's metadata tree under "params" (None when unreadable)."""
+        try:
+            meta = self.manager.item_metadata(step)["state"]
+        except Exception:  # no metadata: restore as usual, orbax reports any mismatch
+            return None
+        tree = getattr(meta, "tree", meta)
+        return tree.get("params") if isinstance(tree, dict) else getattr(tree, "params", None)
+
+    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
