@@ -11,14 +11,20 @@ statistics; phi [n, C, K] has a constant index map and is moved once per call.
 
 Two variants (``Plan.target``):
 
-"tpu" (Mosaic TPU): grid (token blocks "parallel", C tiles "arbitrary"). X is viewed as
-  [N*n, C] so a [bt*n, tc] block is dense in VMEM (a [bt, n, tc] block would pad n=4 rows
-  to the 8/16-row tile); stream j is the strided row set j, j+n, ... The h_{l+1} output
-  block [bt, C] stays resident across the C axis: each step parks its unnormalised tile in
-  an f32 VMEM scratch, and the last step normalises all of it and writes h once. proj and
-  sumsq blocks are resident accumulators too. phi is passed as [n, C/tc, K, tc] (K on
-  sublanes: a [C, K] layout would pad K=24 to 128 lanes) and fetched once. VMEM is sized by
+"tpu" (Mosaic TPU), for C tiles of whole 128-lane multiples: grid (token blocks
+  "parallel", C tiles "arbitrary", streams "arbitrary"). X is viewed as [N, n*C] and passed
+  once per stream, so stream j's tile is a dense [bt, tc] block (column j*C/tc + ci) that
+  stays put while the inner stream axis i moves: every X_l tile is fetched once, and step
+  i writes the [bt, tc] tile of stream i of X_{l+1} (no strided or padded n-row access:
+  a [bt, n, tc] block would pad n=4 rows to the 8/16-row tile). The coefficient column of
+  the dynamic i is picked by a lane mask. The h_{l+1} output block [bt, C] stays resident
+  across both inner axes: a sum (a X_{l+1}) accumulates per C tile in an f32 VMEM scratch,
+  and the last step normalises all of it and writes h once. proj and sumsq blocks are
+  resident accumulators too. phi is passed as [n, C/tc, K, tc] (K on sublanes: a [C, K]
+  layout would pad K=24 to 128 lanes) and fetched once. VMEM is sized by
   ``plan.tpu_vmem_bytes`` and requested with ``vmem_limit_bytes``.
+  C not a multiple of 128 (small models, tests) takes one tile of the whole C, X viewed as
+  [N*n, C] and stream j read as the strided rows j, j+n, ... (grid: token blocks, 1 tile).
 
 "gpu" (Triton, chosen explicitly with ``pltriton.CompilerParams``): JAX 0.10.2 lowers
   ``pallas_call`` on CUDA to Mosaic GPU by default (``jax_pallas_use_mosaic_gpu``; that
@@ -136,6 +142,59 @@ def _tpu_kernel(*refs, n, nct, with_norm, with_stats, eps, c_total):
             h_ref[:, sl] = h.astype(h_ref.dtype)
 
 
+def _tpu_dense_kernel(*refs, n, nct, with_norm, with_stats, eps, c_total):
+    """Grid (token block t, C tile ci, stream i): one [bt, tc] tile of stream i per step."""
+    xs_refs, (y_ref, hres_ref, hpost_ref, apre_ref, *rest) = refs[:n], refs[n:]
+    g_ref = rest.pop(0) if with_norm else None
+    phi_ref = rest.pop(0) if with_stats else None
+    xo_ref, h_ref, *rest = rest
+    proj_ref, ss_ref = (rest.pop(0), rest.pop(0)) if with_stats else (None, None)
+    mix_ref, msq_ref = rest
+    ci, i = pl.program_id(1), pl.program_id(2)
+
+    @pl.when((ci == 0) & (i == 0))
+    def _init():
+        msq_ref[...] = jnp.zeros_like(msq_ref)
+        if with_stats:
+            proj_ref[...] = jnp.zeros_like(proj_ref)
+            ss_ref[...] = jnp.zeros_like(ss_ref)
+
+    def col(ref, k):  # column k (dynamic) of a [bt, w] coefficient block, as [bt, 1]
+        v = ref[...].astype(_F32)
+        lane = lax.broadcasted_iota(jnp.int32, v.shape, 1)
+        return jnp.sum(jnp.where(lane == k, v, 0.0), axis=1, keepdims=True)
+
+    xi = col(hpost_ref, i) * y_ref[...].astype(_F32)
+    for j in range(n):
+        xi = xi + col(hres_ref, i * n + j) * xs_refs[j][...].astype(_F32)
+    xi = xi.astype(xo_ref.dtype)
+    xo_ref[...] = xi
+    xi = xi.astype(_F32)  # statistics and h use the stored (rounded) stream
+    term = col(apre_ref, i) * xi
+    mix_ref[ci] = jnp.where(i == 0, 0.0, mix_ref[ci]) + term  # streams summed in order
+    if with_stats:
+        dims = (((1,), (1,)), ((), ()))
+        phi = phi_ref[i, ci]  # [K, tc]
+        proj_ref[...] += lax.dot_general(xi, phi, dims, precision=_HI, preferred_element_type=_F32)
+        ss_ref[...] += jnp.sum(xi * xi, axis=-1, keepdims=True)
+
+    @pl.when(i == n - 1)
+    def _tile_done():
+        m = mix_ref[ci]
+        msq_ref[...] += jnp.sum(m * m, axis=-1, keepdims=True)
+
+    @pl.when((ci == nct - 1) & (i == n - 1))
+    def _normalise():
+        inv = lax.rsqrt(msq_ref[...] / c_total + eps) if with_norm else None
+        tc = mix_ref.shape[-1]
+        for t in range(nct):  # static slices of the resident [bt, C] block
+            sl = slice(t * tc, (t + 1) * tc)
+            h = mix_ref[t]
+            if with_norm:
+                h = h * inv * g_ref[:, sl].astype(_F32)
+            h_ref[:, sl] = h.astype(h_ref.dtype)
+
+
 def _gpu_kernel(*refs, n, nct, tc, with_norm, with_stats, eps, c_total, barrier):
     x_ref, y_ref, hres_ref, hpost_ref, apre_ref, *rest = refs
     g_ref = rest.pop(0) if with_norm else None
@@ -189,12 +248,31 @@ def _gpu_kernel(*refs, n, nct, tc, with_norm, with_stats, eps, c_total, barrier)
     lax.fori_loop(0, nct, phase2, 0)
 
 
+def tpu_dense(plan: Plan) -> bool:
+    """The TPU kernel's stream-major form: C tiles of whole 128-lane multiples."""
+    return plan.target == "tpu" and plan.block_c % 128 == 0
+
+
 def block_specs(plan: Plan, num: int, n: int, c: int, k: int | None, x_dtype, with_norm: bool):
     """``(grid, in_blocks, out_blocks)`` of the kernel: each block as (shape, index map,
     item size), the operands in kernel order (x, y, h_res, h_post, a_pre[, g][, phi])."""
     bt, tc = plan.block_tokens, plan.block_c
     xi, oi = item(x_dtype), item(plan.out_dtype)
     with_stats = k is not None
+    if tpu_dense(plan):
+        nct = c // tc
+        grid = (-(-num // bt), nct, n)
+        tok = lambda w, it: ((bt, w), lambda t, ci, i: (t, 0), it)
+        ins = [((bt, tc), lambda t, ci, i, j=j: (t, j * nct + ci), xi) for j in range(n)]
+        ins += [((bt, tc), lambda t, ci, i: (t, ci), xi), tok(n * n, 4), tok(n, 4), tok(n, 4)]
+        if with_norm:
+            ins.append(((1, c), lambda t, ci, i: (0, 0), 4))
+        if with_stats:
+            ins.append(((n, nct, k, tc), lambda t, ci, i: (0, 0, 0, 0), 4))
+        outs = [((bt, tc), lambda t, ci, i: (t, i * nct + ci), xi), tok(c, oi)]
+        if with_stats:
+            outs += [tok(k, 4), tok(1, 4)]
+        return grid, ins, outs
     if plan.target == "tpu":
         nct = c // tc
         grid = (-(-num // bt), nct)
@@ -264,19 +342,23 @@ def single_pass_pallas(
     grid, ins, outs = block_specs(plan, num, n, c, k, x_NxnxC.dtype, with_norm)
     nct = c // plan.block_c
     common = dict(n=n, nct=nct, with_norm=with_norm, with_stats=with_stats, eps=plan.norm_eps)
-    x_op = x_NxnxC
     phi_op = phi_nxCxK
     scratch = []
+    x_ops = [x_NxnxC]
     if plan.target == "tpu":
-        kernel = functools.partial(_tpu_kernel, **common, c_total=float(c))
-        x_op = x_NxnxC.reshape(num * n, c)
+        dense = tpu_dense(plan)
+        body = _tpu_dense_kernel if dense else _tpu_kernel
+        kernel = functools.partial(body, **common, c_total=float(c))
+        # Free reshapes: [N, n*C] (stream j's tile ci is block column j*nct + ci; the same
+        # array is passed once per stream) or [N*n, C] (stream j = rows j, j+n, ...).
+        x_ops = [x_NxnxC.reshape(num, n * c)] * n if dense else [x_NxnxC.reshape(num * n, c)]
         if with_stats:  # [n, C, K] -> [n, C/tc, K, tc]: K on sublanes, tiles on a leading axis
             phi_op = phi_nxCxK.reshape(n, nct, plan.block_c, k).transpose(0, 1, 3, 2)
-        if with_norm:
+        if with_norm or dense:
             bt = plan.block_tokens
             scratch = [pltpu.VMEM((nct, bt, plan.block_c), _F32), pltpu.VMEM((bt, 1), _F32)]
         params = pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary"),
+            dimension_semantics=("parallel", "arbitrary") + (("arbitrary",) if dense else ()),
             vmem_limit_bytes=plan.vmem_limit_bytes,
         )
     else:
@@ -288,11 +370,11 @@ def single_pass_pallas(
             barrier=not plan.interpret,  # the interpreter has no threads (nor a rule for it)
         )
         params = pltriton.CompilerParams(num_warps=GPU_NUM_WARPS, num_stages=GPU_NUM_STAGES)
-    operands = [x_op, y_NxC, h_res_Nxnn, h_post_Nxn, a_pre_Nxn]
+    operands = [*x_ops, y_NxC, h_res_Nxnn, h_post_Nxn, a_pre_Nxn]
     operands += [norm_scale_1xC] if with_norm else []
     operands += [phi_op] if with_stats else []
     out_shape = [
-        jax.ShapeDtypeStruct(x_op.shape, x_NxnxC.dtype),
+        jax.ShapeDtypeStruct(x_ops[0].shape, x_NxnxC.dtype),
         jax.ShapeDtypeStruct((num, c), plan.out_dtype),
     ]
     if with_stats:

@@ -58,15 +58,24 @@ def _pow2(v: int) -> bool:
 
 def tpu_vmem_bytes(bt, tc, n, c, k, x_item, out_item, with_norm, with_stats) -> int:
     """VMEM of the TPU kernel: double-buffered tiles, the resident h block and its f32
-    scratch, phi single-buffered (constant index map). Small blocks are counted padded to
-    the (8, 128) vreg tile."""
-    pad = lambda rows, cols, item: -(-rows // 8) * 8 * (-(-cols // 128) * 128) * item
-    total = 2 * (2 * pad(bt * n, tc, x_item) + pad(bt, tc, x_item))  # x, x_new, y
-    total += 2 * 3 * pad(bt, n * n, 4)  # h_res, h_post, a_pre (lane padded)
-    if with_norm:
-        total += 2 * pad(bt, c, out_item) + pad(bt, c, 4) + pad(1, c, 4) + pad(bt, 1, 4)
+    scratch, phi single-buffered (constant index map). Blocks are counted padded to the
+    (8 x packing, 128) tile. C tiles of 128-lane multiples take the stream-major form (n
+    stream tiles + y + one X_{l+1} tile); others the [bt*n, tc] row form."""
+    pad = lambda rows, cols, item: (
+        -(-rows // (8 * max(1, 4 // item))) * 8 * max(1, 4 // item) * (-(-cols // 128) * 128) * item
+    )
+    dense = tc % 128 == 0
+    if dense:
+        total = 2 * (n + 2) * pad(bt, tc, x_item)
+    else:
+        total = 2 * (2 * pad(bt * n, tc, x_item) + pad(bt, tc, x_item))
+    total += 2 * (pad(bt, n * n, 4) + 2 * pad(bt, n, 4))  # h_res, h_post, a_pre
+    if with_norm or dense:
+        total += 2 * pad(bt, c, out_item) + pad(bt, c, 4) + pad(bt, 1, 4)
     else:
         total += 2 * pad(bt, tc, out_item)
+    if with_norm:
+        total += pad(1, c, 4)
     if with_stats:
         total += n * pad(k, c, 4) + 2 * (pad(bt, k, 4) + pad(bt, 1, 4))
     return total
