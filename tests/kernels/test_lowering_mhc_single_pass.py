@@ -182,3 +182,14 @@ def test_tpu_module_carries_the_cost_estimate():
     )
     grid, ins, outs = block_specs(plan, TOKENS, N, 1024, k, jnp.float32, True)
     assert int(got.group(1)) == block_traffic(grid, ins + outs)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_vmapped_step_lowers_to_the_platform_kernel(platform):
+    """Under vmap each platform's function is vmapped (the kernel gets a batch grid axis)."""
+    x, y, h_res, h_post, a_pre, phi, g = _args(512, N, 1024, jnp.bfloat16)
+    batched = [jax.ShapeDtypeStruct((2, *a.shape), a.dtype) for a in (x, y, h_res, h_post, a_pre)]
+    step = lambda *a: mhc_single_pass(*a, impl="auto")
+    fn = jax.vmap(step, in_axes=(0,) * 5 + (None,) * 2)
+    text = _lowered(fn, (*batched, phi, g), (platform,))
+    assert KERNEL_CALL[platform] in _custom_calls(text)

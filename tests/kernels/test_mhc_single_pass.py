@@ -139,6 +139,16 @@ def test_gradients_match_reference(impl, lead, n, c):
     _check_grads(lambda *a: mhc_single_pass(*a, impl=impl), _inputs(lead, n, c, seed=2))
 
 
+def test_auto_under_vmap_matches_xla():
+    """impl="auto" (the platform dispatch) under vmap, here the CPU rule: the XLA form."""
+    x, y, h_res, h_post, a_pre, phi, g = _inputs((3, 5), 4, 16, seed=4)
+    fn = lambda *a: mhc_single_pass(*a, phi, g, impl="auto")
+    out = jax.vmap(fn)(x, y, h_res, h_post, a_pre)
+    ref = mhc_single_pass(x, y, h_res, h_post, a_pre, phi, g, impl="xla")
+    for a, b in zip(out, ref, strict=True):
+        _close(a, b, dict(rtol=2e-5, atol=2e-5))
+
+
 @pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=[CASE_IDS[0], CASE_IDS[5]])
 def test_pallas_gradients_match_reference(interpret, case):
     _, lead, n, c, _, _ = case

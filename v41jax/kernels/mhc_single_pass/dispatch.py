@@ -12,7 +12,8 @@ one branch per platform and lowers each kept branch for ALL of them, so a Pallas
 TPU branch is lowered for CPU too and fails ("Only interpret mode is supported on CPU").
 Per-platform rules are lowered under a context narrowed to their platform.
 
-The primitive has no JVP or batching rule: the caller wraps it in a ``jax.custom_vjp``.
+The primitive has no JVP rule (the caller wraps it in a ``jax.custom_vjp``); under vmap
+each platform's function is vmapped (a Pallas call then gets a grid axis for the batch).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import jax
 from jax.extend import core as jex_core
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 PLATFORMS = ("cpu", "tpu", "cuda")
 Rule = Callable[..., Any] | str
@@ -34,7 +35,7 @@ class _Rules:
     per_platform: dict[str, Rule]
     default: Rule
     in_tree: Any
-    out_tree: Any
+    shape_fn: Callable[..., Any]
     out_avals: tuple
 
 
@@ -65,6 +66,19 @@ for _p in PLATFORMS:
     mlir.register_lowering(_platform_call_p, _lowering_for(_p), platform=_p)
 
 
+def _batch(leaves, dims, *, rules: _Rules):
+    in_axes = jax.tree.unflatten(rules.in_tree, list(dims))
+    wrap = lambda f: f if isinstance(f, str) else jax.vmap(f, in_axes=in_axes)
+    args = jax.tree.unflatten(rules.in_tree, list(leaves))
+    per_platform = {p: wrap(f) for p, f in rules.per_platform.items()}
+    out = platform_call(per_platform, wrap(rules.default), wrap(rules.shape_fn), *args)
+    outs = jax.tree.leaves(out)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[_platform_call_p] = _batch
+
+
 def platform_call(per_platform: dict[str, Rule], default: Rule, shape_fn: Callable, *args):
     """``per_platform[lowering platform](*args)`` (``default`` elsewhere); ``shape_fn`` gives
     the output structure (any function with the same outputs, traced abstractly)."""
@@ -75,5 +89,5 @@ def platform_call(per_platform: dict[str, Rule], default: Rule, shape_fn: Callab
     out = jax.eval_shape(shape_fn, *args)
     out_leaves, out_tree = jax.tree.flatten(out)
     avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out_leaves)
-    rules = _Rules(dict(per_platform), default, in_tree, out_tree, avals)
+    rules = _Rules(dict(per_platform), default, in_tree, shape_fn, avals)
     return jax.tree.unflatten(out_tree, _platform_call_p.bind(*leaves, rules=rules))
