@@ -52,12 +52,6 @@ DECODE_KERNELS = ("engram_lookup", "mhc_single_pass")
 # platform is not in the committed tree yet, so a program lowered from CPU for TPU/CUDA
 # has no call to them (the lowering itself succeeds).
 PENDING = {
-    "mhc_single_pass": pytest.mark.xfail(
-        strict=False,
-        reason="TEMPORARY: mhc_single_pass 'auto' still picks by jax.default_backend() (cpu "
-        "here -> XLA); the lax.platform_dependent dispatch in kernels/mhc_single_pass/api.py "
-        "and its tiled GPU kernel are not committed yet",
-    ),
     "attention": pytest.mark.xfail(
         strict=False,
         reason="TEMPORARY: kernels/attention attend() ignores impl (reference path only); the "
@@ -240,7 +234,6 @@ def test_train_step_calls_kernel(platform, kernel):
     _expect(_train_calls(platform), kernel, f"train step for {platform}")
 
 
-@PENDING["mhc_single_pass"]
 def test_unscanned_train_step_calls_a_kernel_per_site():
     """The unrolled layer loop lowers too, with one kernel call per call site."""
     calls = _train_calls("tpu", "model.scan_layers=false")

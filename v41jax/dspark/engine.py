@@ -1,4 +1,4 @@
-"""Batched DSpark speculative decoding with per-round verify widths (REFERENCE.md §3-4).
+"""Batched DSpark speculative decoding with per-round verify widths (DeepSeek-V4.1 report).
 
 The round (`v41jax.dspark.rounds`): draft K tokens in one drafter pass plus the Markov head,
 choose the verify width w from draft-side information only, verify [pending, d_1 .. d_w] with

@@ -1,4 +1,4 @@
-"""Single-Pass mHC: the lagged pre-mapping and one memory pass per sub-layer (REFERENCE.md §2).
+"""Single-Pass mHC: the lagged pre-mapping and one memory pass per sub-layer (arXiv 2512.24880).
 
 The lagged formulation. Sub-layers l = 0..L-1 act on the residual state X_l [n, C] per
 token. Each has its own coefficient parameters ``params_l`` = {phi [nC, n^2+2n],
