@@ -245,15 +245,13 @@ def write_rows(stack: jax.Array, layer_cache: jax.Array, j: jax.Array, start_B, 
     Only these T slots change, so the stack is updated in place (a scatter into the scan
     carry) instead of writing back a whole [B, S, G, K] layer per layer per step.
     """
-
-    def rows(c_SxGxK, s):
-        return jax.lax.dynamic_slice_in_dim(c_SxGxK, s, t, axis=0)
-
-    def put(stack_LxSxGxK, rows_TxGxK, s):
-        return jax.lax.dynamic_update_slice(stack_LxSxGxK, rows_TxGxK[None], (j, s, 0, 0))
-
-    new_BxTxGxK = jax.vmap(rows)(layer_cache, start_B)
-    return jax.vmap(put, in_axes=(1, 0, 0), out_axes=1)(stack, new_BxTxGxK, start_B)
+    b = stack.shape[1]
+    slots_BxT = start_B[:, None] + jnp.arange(t, dtype=jnp.int32)
+    rows_B1 = jnp.arange(b, dtype=jnp.int32)[:, None]
+    new_BxTxGxK = jnp.take_along_axis(layer_cache, slots_BxT[:, :, None, None], axis=1)
+    # one scatter on the stack's own axes (a vmap over its batch axis would transpose the
+    # whole stack); slots past S are dropped, as the caller guarantees start + T <= S
+    return stack.at[j, rows_B1, slots_BxT].set(new_BxTxGxK, mode="drop")
 
 
 class ScanBlock(Block):
