@@ -31,6 +31,8 @@ def test_checkpoint_restores_across_layer_layouts(tmp_path):
     state = init_flat(3)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
     ckpt.save(5, state.replace(step=state.step + 5), {"iterator": {"step": 5}})
+    ckpt.close()  # a fresh manager (a later process) must read the saved layout
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
     scanned, extra = ckpt.restore(5, abstract_scanned)
     assert extra == {"iterator": {"step": 5}} and int(scanned.step) == 5
     assert "block_0" not in scanned.params and any(k.startswith("layers_") for k in scanned.params)

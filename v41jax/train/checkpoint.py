@@ -33,7 +33,12 @@ class Checkpointer:
                 # as saved is really on disk when a SIGKILL follows.
                 enable_async_checkpointing=False,
             ),
-            item_names=("state", "data"),
+            # handlers named up front (not just item names), so a fresh manager can read a
+            # saved step's metadata before restoring it (the layer-layout check in restore)
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+            },
         )
 
     def latest_step(self) -> int | None:
