@@ -2,9 +2,10 @@
 
 All shapes are static: the cache holds `cfg.max_seq_len` slots per layer (stacked per
 scanned run of layers, see `init_cache`), prompts are right-padded to P with per-row
-lengths, and the decode loop is a `lax.scan` of `max_new_tokens - 1` steps inside one jit. Row b's prompt fills slots 0..L_b-1 (the padding
-after it is written too but never attended, and is overwritten by decoding); its i-th new
-token sits at slot L_b + i. `params` is the tree under "params" (boxed or plain).
+lengths, and the decode loop is a `lax.scan` of `max_new_tokens - 1` steps inside one jit.
+Row b's prompt fills slots 0..L_b-1 (the padding after it is written too but never attended,
+and is overwritten by decoding); its i-th new token sits at slot L_b + i. `params` is the
+tree under "params" (boxed or plain).
 """
 
 from __future__ import annotations

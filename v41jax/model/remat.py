@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 from flax import linen as nn
+from jax.ad_checkpoint import checkpoint_name
 
 from v41jax.config import REMAT_POLICIES
 
