@@ -56,7 +56,12 @@ class Attention(nn.Module):
     Params: `q` [D, H, K] (embed, heads, head_dim); `k`, `v` [D, G, K] (embed, kv_heads,
     head_dim); `o` [H, K, D] (heads, head_dim, embed).
     `y = attend(rope(x Wq), rope(x Wk), x Wv, layout) Wo` with `impl` one of
-    `v41jax.config.ATTENTION_IMPLS` (see `v41jax.kernels.attention`).
+    `v41jax.config.ATTENTION_IMPLS` (see `v41jax.kernels.attention.api`). The default
+    "auto" picks by the platform the program is lowered for: blockwise (flash-style XLA,
+    memory linear in T) on CPU, cuDNN flash attention on CUDA for bf16/fp16 without packed
+    segments, splash attention on TPU; KV-cache layouts (T new queries at cache offsets over
+    S slots) take the blockwise path on every platform except cuDNN's T = 1 decode.
+    `block_size` is the blockwise/splash query and key block.
     """
 
     num_heads: int
