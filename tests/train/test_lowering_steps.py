@@ -48,24 +48,9 @@ TRAIN_KERNELS = {
 }
 DECODE_KERNELS = ("engram_lookup", "mhc_single_pass")
 
-# TEMPORARY (remove each mark when its work is committed): kernels whose dispatch by lowering
-# platform is not in the committed tree yet, so a program lowered from CPU for TPU/CUDA
-# has no call to them (the lowering itself succeeds).
-PENDING = {
-    "attention": pytest.mark.xfail(
-        strict=False,
-        reason="TEMPORARY: kernels/attention attend() ignores impl (reference path only); the "
-        "splash (TPU) / cuDNN (CUDA) dispatch by lowering platform is not committed yet",
-    ),
-}
-
 
 def _cases(kernels_of_platform: dict[str, tuple[str, ...]]):
-    return [
-        pytest.param(p, k, id=f"{p}-{k}", marks=[PENDING[k]] if k in PENDING else [])
-        for p, ks in kernels_of_platform.items()
-        for k in ks
-    ]
+    return [pytest.param(p, k, id=f"{p}-{k}") for p, ks in kernels_of_platform.items() for k in ks]
 
 
 # Four layers so that, with scanned layers, layers 2..3 (MoE, no Engram) form one scanned run
