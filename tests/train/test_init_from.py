@@ -41,3 +41,29 @@ def test_fine_tuning_starts_from_the_source_params(tmp_path):
             str(tmp_path / "bad"),
             progress=False,
         )
+
+
+def test_fine_tuning_converts_the_layer_layout(tmp_path):
+    """A source trained with unrolled layers (block_i) seeds a scanned run (layers_a_b) and a
+    different remat policy: the params are the source's, stacked."""
+    from v41jax.model import convert_layout, layer_segments
+
+    source = str(tmp_path / "source")
+    train(_cfg("model.scan_layers=false"), source, progress=False)
+    tuned = str(tmp_path / "tuned")
+    train(
+        _cfg(
+            "train.steps=2",
+            f"train.init_from={source}",
+            "optim.lr=1e-12",
+            "model.remat_policy=full",
+        ),
+        tuned,
+        progress=False,
+    )
+    src, out = load_run(source), load_run(tuned)
+    assert any(name.startswith("layers_") for name in out.params)
+    assert not any(name.startswith("layers_") for name in src.params)
+    want = convert_layout(src.params, layer_segments(out.cfg.model))
+    for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(out.params), strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6)

@@ -35,12 +35,22 @@ from v41jax.data import (
     eval_batches,
     prepare_data,
 )
+from v41jax.model import convert_layout, layer_segments
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.metrics import MetricsWriter
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
+
+# Model fields that change how params are used, not which params exist: a run fine-tuned
+# with train.init_from may set them differently from its source.
+COMPUTE_ONLY_MODEL_FIELDS = (
+    "scan_layers",
+    "remat_policy",
+    "attention_impl",
+    "attention_block_size",
+)
 
 
 def maybe_initialize_distributed() -> None:
@@ -169,9 +179,14 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         start, state = 0, init_fn(cfg.train.seed)
         if cfg.train.init_from:  # fine-tuning: another run's params, a fresh optimizer
             source = load_run(cfg.train.init_from)
-            if diffs := config_lib.diff(source.cfg.model, cfg.model):
+            # How the params are computed with (scan, remat, attention path) may differ; the
+            # params themselves may not, except for their layer layout, which is converted.
+            free = {k: getattr(cfg.model, k) for k in COMPUTE_ONLY_MODEL_FIELDS}
+            source_model = dataclasses.replace(source.cfg.model, **free)
+            if diffs := config_lib.diff(source_model, cfg.model):
                 raise ValueError(f"train.init_from={cfg.train.init_from}: model differs {diffs}")
-            state = state.replace(params=jax.device_put(source.params, shardings.params))
+            params = convert_layout(source.params, layer_segments(cfg.model))
+            state = state.replace(params=jax.device_put(params, shardings.params))
     else:
         state, extra = checkpointer.restore(start, abstract)
         iterator.restore(extra["iterator"])
