@@ -28,6 +28,7 @@ from v41jax.kernels.attention import (  # noqa: F401 (re-exported for model user
     make_attention_mask,
 )
 from v41jax.model.layers import apply_rope, normal_init
+from v41jax.model.remat import KEY_PROJ, QUERY_PROJ, VALUE_PROJ, tag
 
 Dtype = Any
 KVCache = dict[str, jax.Array]
@@ -99,9 +100,10 @@ class Attention(nn.Module):
             "o", normal_init(self.out_init_std, ("heads", "head_dim", "embed")), (h, k, d), pd
         )
         x = x_BxTxD.astype(self.dtype)
-        q_BxTxHxK = jnp.einsum("btd,dhk->bthk", x, w_q.astype(self.dtype))
-        k_BxTxGxK = jnp.einsum("btd,dgk->btgk", x, w_k.astype(self.dtype))
-        v_BxTxGxK = jnp.einsum("btd,dgk->btgk", x, w_v.astype(self.dtype))
+        # Tagged for remat_policy="save_qkv_proj" (v41jax.model.remat).
+        q_BxTxHxK = tag(jnp.einsum("btd,dhk->bthk", x, w_q.astype(self.dtype)), QUERY_PROJ)
+        k_BxTxGxK = tag(jnp.einsum("btd,dgk->btgk", x, w_k.astype(self.dtype)), KEY_PROJ)
+        v_BxTxGxK = tag(jnp.einsum("btd,dgk->btgk", x, w_v.astype(self.dtype)), VALUE_PROJ)
         q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, self.rope_theta)
         k_BxTxGxK = apply_rope(k_BxTxGxK, positions_BxT, self.rope_theta)
         q_BxTxHxK = nn.with_logical_constraint(q_BxTxHxK, ("batch", "length", "act_heads", None))
