@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_verify_bench_reports_every_variant(tmp_path, capsys):
     path = tmp_path / "verify.json"
     args = argparse.Namespace(
-        batch=4, drafts=2, vocabs="300,1000", iters=1, rounds=1, json=str(path)
+        batch=4, drafts=2, vocabs="300,1000", iters=1, rounds=1, quick=False, json=str(path)
     )
     assert verify_bench.run(args) == 0
     rows = json.loads(path.read_text())["rows"]

@@ -38,7 +38,7 @@ from flax import traverse_util
 
 from v41jax.config import ModelConfig
 from v41jax.data import CompressionTable, Tokenizer, compress_ids, prepare_data
-from v41jax.model import ENGRAM_IDS_PREFIX, Transformer
+from v41jax.model import ENGRAM_IDS_PREFIX, Transformer, convert_layout, layer_segments
 from v41jax.train.loop import load_run, validation_batches
 
 ANALYSES = ("engram_off", "token_split")
@@ -69,11 +69,14 @@ def engram_off_params(params: Any) -> dict:
 
 
 def strip_engram(params: Any, cfg: ModelConfig) -> tuple[dict, ModelConfig]:
-    """The params without their Engram subtrees and `cfg` without Engram layers."""
+    """The params without their Engram subtrees and `cfg` without Engram layers, in that
+    config's layer layout (an Engram layer is a block of its own under `model.scan_layers`;
+    without Engram it joins its neighbours' scanned run)."""
     flat = traverse_util.flatten_dict(nn.unbox(params))
     kept = {path: x for path, x in flat.items() if "engram" not in path}
-    no_engram = dataclasses.replace(cfg.engram, layer_ids=())
-    return traverse_util.unflatten_dict(kept), dataclasses.replace(cfg, engram=no_engram)
+    no_engram = dataclasses.replace(cfg, engram=dataclasses.replace(cfg.engram, layer_ids=()))
+    stripped = convert_layout(traverse_util.unflatten_dict(kept), layer_segments(no_engram))
+    return stripped, no_engram
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
