@@ -157,3 +157,66 @@ def test_feature_configs_round_trip_and_are_one_class(tmp_path):
     assert config_lib.load_json(str(path)) == cfg
     with pytest.raises(ValueError, match="MHCConfig: form='bogus'"):
         config_lib.override(cfg, ["model.mhc.form=bogus"])
+
+
+@pytest.mark.parametrize(
+    "key, suggested",
+    [
+        ("train.step", ["train.steps"]),
+        ("trian.steps", ["train.steps"]),
+        ("model.engram.layers", ["model.engram.layer_ids"]),
+        ("model.num_layer", ["model.num_layers"]),
+        ("train.lr", ["optim.lr"]),  # the field, in another section
+        ("steps", ["train.steps"]),
+        ("nam", ["name"]),
+    ],
+)
+def test_unknown_key_suggests_the_closest(key, suggested):
+    with pytest.raises(KeyError) as e:
+        config_lib.override(config_lib.get_config("tiny"), [f"{key}=1"])
+    (msg,) = e.value.args  # one line: the CLI prints KeyError's argument
+    assert f"unknown config key {key!r} (did you mean " in msg and "\n" not in msg
+    hint = msg.split("(did you mean ", 1)[1].split("?)", 1)[0]
+    for s in suggested:
+        assert repr(s) in hint
+
+
+def test_unknown_key_lists_only_its_section():
+    cfg = config_lib.get_config("tiny")
+    with pytest.raises(KeyError) as e:
+        config_lib.override(cfg, ["train.step=3"])
+    listing = e.value.args[0].split("valid keys of train: ", 1)[1].split(", ")
+    assert "train.steps" in listing and all(k.startswith("train.") for k in listing)
+    with pytest.raises(KeyError) as e:  # nested sections show as `section.*`
+        config_lib.override(cfg, ["model.bogus=3"])
+    msg = e.value.args[0]
+    assert "did you mean" not in msg and "model.engram.*" in msg and "model.d_model" in msg
+    assert "model.engram.layer_ids" not in msg and "train." not in msg
+    with pytest.raises(KeyError) as e:  # no known section: the section names
+        config_lib.override(cfg, ["bogus=3"])
+    assert e.value.args[0].endswith(
+        "valid keys (sections end in .*): data.*, generate.*, mesh.*, model.*, name, optim.*, "
+        "train.*"
+    )
+    with pytest.raises(KeyError, match="'model.engram' is a section, not a field"):
+        config_lib.override(cfg, ["model.engram=3"])
+
+
+def test_from_dict_unknown_key_suggests_the_closest():
+    with pytest.raises(KeyError, match=r"\['step'\] in train; did you mean 'steps'\? valid"):
+        config_lib.from_dict(Config, {"train": {"step": 3}})
+
+
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("train.steps", r"--set 'train.steps': expected KEY=VALUE, e.g. --set train.steps=VALUE"),
+        ("=3", r"--set '=3': missing the KEY before '='"),
+        (" =3", r"--set ' =3': missing the KEY before '='"),
+        ("", r"--set '': expected KEY=VALUE"),
+        ("train.steps=", r"train.steps='': expected int"),
+    ],
+)
+def test_malformed_set_names_the_value(assignment, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.override(config_lib.get_config("tiny"), [assignment])

@@ -1,13 +1,16 @@
 """Configs as text: the JSON round trip and `--set section.field=value` overrides.
 
 `to_dict` / `from_dict` map any config dataclass to and from JSON-able dicts (tuples as
-lists; unknown keys are an error naming them and the valid ones). `override` changes single
-leaves, each parsed by its field's declared type, and validates once at the end.
+lists; unknown keys are an error naming them, the closest valid ones and the valid ones).
+`override` changes single leaves, each parsed by its field's declared type, and validates
+once at the end; an unknown key is a KeyError suggesting the closest keys and listing the
+fields of the section it names (or the section names).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -43,9 +46,11 @@ def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
             "remat_policy": d.get("remat_policy", "full" if d["remat"] else "none")
         }
     if unknown := set(d) - names:
+        close = {c for k in unknown for c in difflib.get_close_matches(k, names, n=3)}
+        hint = f"did you mean {_or_list(sorted(close))}? " if close else ""
         raise KeyError(
             f"unknown config keys {sorted(unknown)} in {prefix or cls.__name__}; "
-            f"valid: {sorted(names)}"
+            f"{hint}valid: {sorted(names)}"
         )
     return cls(**{k: _coerce(hints[k], v, f"{prefix}.{k}".lstrip(".")) for k, v in d.items()})
 
@@ -83,6 +88,48 @@ def _leaf_keys(cls: type, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{f.name}"] = tp
     return out
+
+
+def _or_list(keys: list[str]) -> str:
+    """'a', 'a' or 'b', 'a', 'b' or 'c'."""
+    quoted = [repr(k) for k in keys]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _children(leaves: dict[str, Any], section: str) -> list[str]:
+    """The fields directly under `section` ("" = the top level): leaves as `a.b`, nested
+    sections as `a.c.*`."""
+    start = f"{section}." if section else ""
+    out = set()
+    for key in leaves:
+        if key.startswith(start):
+            head, dot, _ = key[len(start) :].partition(".")
+            out.add(f"{start}{head}" + (".*" if dot else ""))
+    return sorted(out)
+
+
+def _unknown_key(key: str, leaves: dict[str, Any]) -> KeyError:
+    """KeyError for an unknown `--set` key: the closest valid keys (difflib), then the fields of
+    the deepest section the key names (or the top-level fields and sections)."""
+    sections = {k.rsplit(".", 1)[0] for k in leaves if "." in k}
+    sections |= {s.rsplit(".", 1)[0] for s in list(sections) if "." in s}
+    parts = key.split(".")
+    prefixes = (".".join(parts[:i]) for i in range(len(parts), 0, -1))
+    section = next((p for p in prefixes if p in sections), "")
+    listing = f"valid keys of {section}" if section else "valid keys (sections end in .*)"
+    listing += f": {', '.join(_children(leaves, section))}"
+    if key in sections:
+        return KeyError(f"config key {key!r} is a section, not a field; {listing}")
+    leaf = parts[-1]
+    if section:  # a misspelt field of a known section
+        names = {c.rsplit(".", 1)[-1]: c for c in _children(leaves, section) if c[-1] != "*"}
+        close = [names[n] for n in difflib.get_close_matches(leaf, list(names), n=3)]
+    else:  # a misspelt section or top-level field
+        close = difflib.get_close_matches(key, list(leaves), n=3)
+    same = [k for k in leaves if k.rsplit(".", 1)[-1] == leaf]  # the field in another section
+    close = list(dict.fromkeys(same + close))[:4]
+    hint = f" (did you mean {_or_list(close)}?)" if close else ""
+    return KeyError(f"unknown config key {key!r}{hint}; {listing}")
 
 
 def _parse_scalar(tp: Any, text: str, key: str) -> Any:
@@ -129,11 +176,17 @@ def override(cfg: Any, assignments: list[str]) -> Any:
     tree = to_dict(cfg)
     for assignment in assignments:
         if "=" not in assignment:
-            raise ValueError(f"--set {assignment!r}: expected KEY=VALUE")
+            example = assignment.strip() or "train.steps"
+            raise ValueError(
+                f"--set {assignment!r}: expected KEY=VALUE, e.g. --set {example}=VALUE "
+                "(an empty value: KEY=)"
+            )
         key, text = assignment.split("=", 1)
         key = key.strip()
+        if not key:
+            raise ValueError(f"--set {assignment!r}: missing the KEY before '=' (KEY=VALUE)")
         if key not in leaves:
-            raise KeyError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(leaves))}")
+            raise _unknown_key(key, leaves)
         *sections, leaf = key.split(".")
         node = tree
         for section in sections:
