@@ -44,15 +44,39 @@ from v41jax.kernels.engram_lookup.api import engram_lookup
 from v41jax.model.layers import swiglu
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, else an error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def token_shape(tokens: int, length: int = 512) -> tuple[int, int]:
+    """[batch, length] of exactly `tokens` tokens: rows of `length` when it divides them, else
+    one row of all of them."""
+    if tokens < 1:
+        raise ValueError(f"--tokens must be >= 1, got {tokens}")
+    return (tokens // length, length) if tokens % length == 0 else (1, tokens)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="1e6,1e7,1e8,5e8,2e9", help="table params per row")
     p.add_argument("--fp8-from", type=float, default=1e9, help="FP8 tables from this size")
     p.add_argument("--ffn-max-params", type=float, default=5e8)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--tokens", type=int, default=2048, help="Engram tokens per call")
-    p.add_argument("--ffn-tokens", type=int, default=256, help="FFN tokens per call")
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--fp8-rows", type=int, default=1 << 24, help="device FP8 table rows")
+    p.add_argument("--hidden", type=positive_int, default=512)
+    p.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=2048,
+        help="Engram tokens N per call: [N/512, 512] if 512 divides N, else [1, N]",
+    )
+    p.add_argument("--ffn-tokens", type=positive_int, default=256, help="FFN tokens per call")
+    p.add_argument("--iters", type=positive_int, default=5)
+    p.add_argument("--fp8-rows", type=positive_int, default=1 << 24, help="device FP8 table rows")
     p.add_argument("--peak-gbps", type=float, default=None, help="chip memory bandwidth")
     p.add_argument("--quick", action="store_true", help="small sizes, few iterations (<1 min)")
     p.add_argument("--json", default=None)
@@ -110,7 +134,7 @@ def engram_row(target: float, args) -> dict:
     fp8 = target >= args.fp8_from
     cfg = dataclasses.replace(cfg, table_dtype="float8_e4m3fn" if fp8 else "float32")
     params = _engram_params(cfg, args.hidden, fp8)
-    b, t = args.tokens // 512, 512
+    b, t = token_shape(args.tokens)
     rng = np.random.default_rng(1)
     h = jnp.asarray(rng.standard_normal((b, t, args.hidden), np.float32))
     comp = [

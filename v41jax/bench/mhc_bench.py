@@ -43,16 +43,27 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 VARIANTS = ("plain", "naive", "fused", "single_pass")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (T = 0 would divide by zero), else an error naming it."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--streams", type=int, default=4, help="n")
-    p.add_argument("--width", type=int, default=1024, help="C")
-    p.add_argument("--tokens", type=int, default=4096, help="T (batch x length)")
+    p.add_argument("--streams", type=positive_int, default=4, help="n")
+    p.add_argument("--width", type=positive_int, default=1024, help="C")
+    p.add_argument("--tokens", type=positive_int, default=4096, help="T (batch x length)")
     p.add_argument("--dtypes", default="f32,bf16", help=f"comma list of {sorted(DTYPES)}")
     p.add_argument(
         "--kernel-widths", default="1024,4096,7168", help="C values of the kernel byte rows"
     )
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3, help="timing rounds, best median kept")
+    p.add_argument("--iters", type=positive_int, default=10)
+    p.add_argument("--rounds", type=positive_int, default=3, help="timing rounds, best median kept")
     p.add_argument("--json", default=None, help="write results here")
 
 
