@@ -231,3 +231,75 @@ def test_cli_flags_a_broken_verifier(capsys, monkeypatch):
     assert rc == 1 and "verdict: FAILED" in out and "NO" in out
     rc = main([f"{Path(__file__)}:exact_rule", "--samples", "20000", "--detail", "failed"])
     assert rc == 0 and "verdict: PASSED" in capsys.readouterr().out
+
+
+def test_cli_prints_a_short_summary_and_verbose_lists_every_check(capsys):
+    small = ["v41jax.spec.audit:reference_verifier", "--samples", "5000", "--vocab", "4"]
+    assert main(small) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) <= 12 and lines[-1].startswith("verdict: PASSED")
+    assert "--verbose" in lines[-1]
+    table = "\n".join(lines[3:-1])
+    for case in make_cases(4, 3, 0):  # one line per case: its worst check and p-values
+        assert case.name in table
+    assert "worst check" in lines[3] and "p_adj" in lines[3]
+    assert main([*small, "--verbose"]) == 0
+    verbose = capsys.readouterr().out.strip().splitlines()
+    assert len(verbose) > 50 and "observed / expected" in "\n".join(verbose)
+    assert verbose[-1].startswith("verdict: PASSED")
+
+
+def test_summary_names_the_failed_checks():
+    report = audit_verifier(
+        _named("residual_from_p", **BROKEN["residual_from_p"]), num_samples=20_000
+    )
+    text = report.summary()
+    assert len(text.splitlines()) <= 14 and "verdict: FAILED" in text and "  NO" in text
+    assert "failed: " in text and f"{len(report.failed)} of {len(report.tests)}" in text
+
+
+def test_cli_help_is_complete(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "does a speculative verifier preserve the target distribution?" in out
+    assert "Exit status: 0 if the audit passes, 1 if\nit fails, 2 on a usage error." in out
+    assert "--verbose" in out and "module:function or path/to/file.py:function" in out
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            "v41jax.spec.audit.reference_verifier",
+            "verifier 'v41jax.spec.audit.reference_verifier': expected module:function or "
+            "path/to/file.py:function (did you mean v41jax.spec.audit:reference_verifier?)",
+        ),
+        ("reference_verifier", "verifier 'reference_verifier': expected module:function"),
+        ("verify.py", "verifier 'verify.py': expected module:function"),
+        ("v41jax.spec.nope:f", "verifier 'v41jax.spec.nope:f': no module named 'v41jax.spec.nope'"),
+        ("nope_pkg.mod:f", "verifier 'nope_pkg.mod:f': no module named 'nope_pkg'"),
+        ("no/such/file.py:f", "verifier 'no/such/file.py:f': no file 'no/such/file.py'"),
+        (
+            "v41jax.spec.audit:reference_verifer",
+            "'v41jax.spec.audit' has no attribute 'reference_verifer' (did you mean "
+            "v41jax.spec.audit:reference_verifier?)",
+        ),
+        ("v41jax.spec.audit:MIN_EXPECTED", "'MIN_EXPECTED' is a float, not a function"),
+    ],
+)
+def test_cli_bad_verifier_spec_is_a_usage_error(spec, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([spec])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: verifier {spec!r}: " in err and message in err and "Traceback" not in err
+
+
+def test_cli_rejects_bad_sizes(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["v41jax.spec.audit:reference_verifier", "--samples", "0"])
+    assert e.value.code == 2 and "need --samples >= 1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="num_samples=0"):
+        audit_verifier(reference_verifier, num_samples=0)

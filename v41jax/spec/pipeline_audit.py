@@ -23,8 +23,9 @@ of the drafter's parallel pass, turned into lengths by a scheduler, possibly acr
 batch. Conditioning on L then leaves every d_j ~ q_j and the verifier exact for each value of
 L. A length that depends on the target's probabilities of the sampled drafts (e.g. verify
 while p_j(d_j) >= q_j(d_j)) selects rows by how good their drafts are for the target: given
-L, d_j is no longer distributed as q_j, and (1) fails (tests/test_pipeline_audit.py checks
-that the audit catches it). In general so does a length computed from the sampled drafts.
+L, d_j is no longer distributed as q_j, and (1) fails (tests/spec/test_spec_pipeline_audit.py
+checks that the audit catches it). In general so does a length computed from the sampled
+drafts.
 
 Checks, per case (fixed tables p, `chunk`-row batches, independent keys):
   validity    A in [0, L], out[:, :A] = drafts, out[:, A] in [0, V), out[:, A+1:] = -1;
