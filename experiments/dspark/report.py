@@ -1,10 +1,15 @@
 """Tables, plots and the issue's target checks from the DSpark experiment's summary.json.
 
-python experiments/dspark/report.py [results_dir]     (regenerates from summary.json)
+python experiments/dspark/report.py [results_dir]                (tables.md and the PNGs)
+python experiments/dspark/report.py [results_dir] --tables-only  (tables.md, no matplotlib)
+
+`render_tables(summary)` is the whole of tables.md, a pure function of summary.json: the
+README quotes its tables verbatim (`tests/test_readme_figures.py` checks both).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import sys
@@ -53,13 +58,15 @@ def target_checks(summary: dict) -> list[dict]:
             }
         )
     if dsp:
-        ece = dsp["calibration"]["ece"]
-        length = dsp["calibration"]["length"]["ece_fraction"]
+        cal = dsp["calibration"]
+        per = ", ".join(f"{e:.3f}" for e in cal["ece_per_position"] if e is not None)
+        length = cal["length"]["ece_fraction"]
         checks.append(
             {
                 "target": "calibration error <= 0.05",
-                "measured": f"per-position ECE {ece:.3f}; accepted-length ECE {length:.3f} of K",
-                "met": ece <= 0.05,
+                "measured": f"pooled ECE {cal['ece']:.3f} (per position {per}); "
+                f"accepted-length ECE {length:.3f} of K",
+                "met": cal["ece"] <= 0.05,
             }
         )
     study = summary.get("scheduler_study")
@@ -182,8 +189,44 @@ def replay_table(rp: dict | None) -> list[str]:
     ]
 
 
-def write_report(summary: dict, out_dir: str) -> str:
-    """Write tables.md and the PNGs into out_dir; return the markdown."""
+def wall_clock_table(rows: list[dict]) -> str:
+    """Markdown: tokens/s of every decoder timed at every batch size (x plain decoding)."""
+    plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
+    batches = sorted(plain)
+    by_name: dict[str, dict] = {}
+    for r in rows:
+        by_name.setdefault(r["name"], {})[r["batch"]] = r["tokens_per_s"]
+    out = []
+    for name, tps in by_name.items():
+        if sorted(tps) != batches:
+            continue  # the ablations are timed at one batch size only (see the long table)
+        cell = {b: f"{tps[b]:.1f}" for b in batches}
+        if name != "plain":
+            cell = {b: f"{tps[b]:.1f} ({tps[b] / plain[b]:.2f}x)" for b in batches}
+        out.append({"name": name, **{f"b{b}": c for b, c in cell.items()}})
+    cols = [("name", "decoder", "")] + [(f"b{b}", f"batch {b}", "") for b in batches]
+    return A.markdown_table(out, cols)
+
+
+def calibration_table(stats: dict) -> str:
+    """Markdown: pooled and per-position confidence ECE, and the accepted-length ECE."""
+    k_max = max(len(v["acceptance"]) for v in stats.values())
+    out = []
+    for name, v in stats.items():
+        cal = v["calibration"]
+        row = {"name": name, "ece": cal["ece"], "lt": cal["length"]["ece_tokens"]}
+        row["lf"] = cal["length"]["ece_fraction"]
+        row.update({f"e{j + 1}": e for j, e in enumerate(cal["ece_per_position"])})
+        out.append(row)
+    cols = [("name", "drafter", ""), ("ece", "pooled ECE", ".3f")]
+    cols += [(f"e{j + 1}", f"ECE {j + 1}", ".3f") for j in range(k_max)]
+    cols += [("lt", "length ECE (tok)", ".3f"), ("lf", "length ECE / K", ".3f")]
+    return A.markdown_table(out, cols)
+
+
+def render_tables(summary: dict) -> str:
+    """tables.md from summary.json alone (the committed results re-render without runs/)."""
+    summary = copy.deepcopy(summary)
     rows, stats = summary["rows"], summary["stats"]
     plain = {r["batch"]: r["tokens_per_s"] for r in rows if r["mode"] == "plain"}
     for r in rows:
@@ -235,8 +278,12 @@ def write_report(summary: dict, out_dir: str) -> str:
     md = [
         "## Acceptance, tokens per round, calibration\n",
         A.markdown_table(acc_rows, acc_cols),
+        "\n## Calibration per position\n",
+        calibration_table(stats),
         "\n## Wall-clock throughput\n",
         A.markdown_table(sorted(rows, key=lambda r: (r["batch"], r["name"])), tput_cols),
+        "\n## Wall-clock tokens/s by batch size (x plain decoding)\n",
+        wall_clock_table(rows),
         "\n## Realignment\n",
         A.markdown_table(re_rows, re_cols),
         *study_tables(summary),
@@ -245,9 +292,17 @@ def write_report(summary: dict, out_dir: str) -> str:
             checks, [("target", "target", ""), ("measured", "measured", ""), ("met", "met", "")]
         ),
     ]
-    text = "\n".join(md) + "\n"
+    return "\n".join(md) + "\n"
+
+
+def write_report(summary: dict, out_dir: str, *, plots: bool = True) -> str:
+    """Write tables.md (`render_tables`) and the PNGs into out_dir; return the markdown."""
+    text = render_tables(summary)
     with open(os.path.join(out_dir, "tables.md"), "w") as f:
         f.write(text)
+    if not plots:
+        return text
+    rows, stats = summary["rows"], summary["stats"]
     A.plot_acceptance(
         {n: v["acceptance"] for n, v in stats.items() if "scheduled" not in n},
         os.path.join(out_dir, "acceptance.png"),
@@ -264,6 +319,7 @@ def write_report(summary: dict, out_dir: str) -> str:
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "results")
+    args = [a for a in sys.argv[1:] if a != "--tables-only"]
+    out = args[0] if args else os.path.join(os.path.dirname(__file__), "results")
     with open(os.path.join(out, "summary.json")) as f:
-        print(write_report(json.load(f), out))
+        print(write_report(json.load(f), out, plots="--tables-only" not in sys.argv))

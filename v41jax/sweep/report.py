@@ -5,7 +5,11 @@ and writes to `<experiment_dir>/results/`:
 
     summary.json  a list of runs: study, arm, seed, total_params, active_params,
                   flops_per_token, engram_params, val_loss, tokens_seen, wall_s, step_s, meta...
-    tables.md     one table per study (mean val loss over seeds with [min, max]) + Study 3
+    tables.md     one table per study (mean val loss over seeds with [min, max]), Study 3,
+                  the accounting of every arm, per-run times and (quality layout) the
+                  differences between arms: `render_tables(summary, study3)`, a pure function
+                  of summary.json and study3.json, so `python -m v41jax.sweep.report DIR`
+                  re-renders tables.md from the committed results alone (no run dirs)
     study3.json   the Study 3 analyses the tables use
     *.png         plots (small, dpi 90)
 
@@ -30,7 +34,7 @@ from collections import defaultdict
 from typing import Any
 
 from v41jax.sweep.analysis import BIGRAM_BUCKETS, WORD_BUCKETS, load_or_run_analysis
-from v41jax.sweep.driver import RESULT_FILE
+from v41jax.sweep.driver import RESULT_FILE, default_runs_dir
 
 SUMMARY_KEYS = (
     "study",
@@ -126,6 +130,11 @@ def _layout(groups: list[dict]) -> str:
 def study_table(groups: list[dict]) -> str:
     layout = _layout(groups)
     common = ["total params", "active params", "FLOPs/token", "val loss", "[min, max]", "seeds"]
+
+    def cells(g: dict) -> list:
+        acc = [_num(g["total_params"]), _num(g["active_params"]), _num(g["flops_per_token"])]
+        return acc + _loss_cells(g)
+
     if layout == "quality":
         order = {"baseline": 0, "engram": 1, "ffn": 2}
         groups = sorted(
@@ -133,9 +142,7 @@ def study_table(groups: list[dict]) -> str:
         )
         header = ["arm", "kind", "P added", *common, "s/step"]
         rows = [
-            [g["arm"], g["meta"]["kind"], _num(g["meta"].get("p_added", 0))]
-            + [_num(g["total_params"]), _num(g["active_params"]), _num(g["flops_per_token"])]
-            + _loss_cells(g)
+            [g["arm"], g["meta"]["kind"], _num(g["meta"].get("p_added", 0)), *cells(g)]
             + [_num(g["step_s"])]
             for g in groups
         ]
@@ -144,20 +151,12 @@ def study_table(groups: list[dict]) -> str:
         header = ["rho", "experts", "Engram params", *common, "dropped", "s/step"]
         rows = [
             [g["meta"]["rho"], g["meta"].get("num_experts", "-"), _num(g["engram_params"])]
-            + [_num(g["total_params"]), _num(g["active_params"]), _num(g["flops_per_token"])]
-            + _loss_cells(g)
-            + [_num(g["mean_moe_dropped_fraction"], 2), _num(g["step_s"])]
+            + [*cells(g), _num(g["mean_moe_dropped_fraction"], 2), _num(g["step_s"])]
             for g in groups
         ]
     else:
         header = ["arm", *common, "s/step"]
-        rows = [
-            [g["arm"], _num(g["total_params"]), _num(g["active_params"])]
-            + [_num(g["flops_per_token"])]
-            + _loss_cells(g)
-            + [_num(g["step_s"])]
-            for g in groups
-        ]
+        rows = [[g["arm"], *cells(g), _num(g["step_s"])] for g in groups]
     return _md(header, rows)
 
 
@@ -200,6 +199,109 @@ _DELTA_COLUMNS = (
     ("context_bigram", "frequent"),
     ("word", "continuation"),
 )
+
+
+def _int(x: Any) -> str:
+    return "-" if x is None else f"{round(x):,}"
+
+
+def accounting_table(rows: list[dict]) -> str:
+    """Per (study, arm), from its first seed: exact parameter counts and FLOPs per token."""
+    header = ["study", "arm", "total params", "active params", "Engram params", "FLOPs/token"]
+    header, seen, out = [*header, "d_ff", "experts"], set(), []
+    for r in rows:
+        if (r["study"], r["arm"]) in seen:
+            continue
+        seen.add((r["study"], r["arm"]))
+        m = r["meta"]
+        out.append(
+            [r["study"], r["arm"], _int(r["total_params"]), _int(r["active_params"])]
+            + [_int(r["engram_params"]), _num(r["flops_per_token"])]
+            + [m.get("d_ff", "-"), m.get("num_experts", "-")]
+        )
+    return _md(header, out)
+
+
+def runs_table(rows: list[dict]) -> str:
+    """Seconds per step of every run, by seed, with the slowest / fastest seed; total wall."""
+    seeds = sorted({r["seed"] for r in rows})
+    by_arm: dict[tuple, dict] = defaultdict(dict)
+    for r in rows:
+        by_arm[(r["study"], r["arm"])][r["seed"]] = r
+    header = ["study", "arm", *(f"s/step seed {s}" for s in seeds), "max / min", "wall_s"]
+    out = []
+    for (study, arm), rs in by_arm.items():
+        steps = [rs[s]["step_s"] for s in seeds if s in rs and rs[s].get("step_s")]
+        cells = [f"{rs[s]['step_s']:.3f}" if s in rs else "-" for s in seeds]
+        ratio = f"{max(steps) / min(steps):.2f}" if steps else "-"
+        wall = sum(r.get("wall_s") or 0.0 for r in rs.values())
+        out.append([study, arm, *cells, ratio, f"{wall:.0f}"])
+    total = sum(r.get("wall_s") or 0.0 for r in rows)
+    hours, minutes = divmod(round(total / 60), 60)
+    return _md(header, out) + (
+        f"\n\nWall-clock of all {len(rows)} runs (wall_s summed): {total:.0f} s = "
+        f"{hours} h {minutes} min."
+    )
+
+
+def quality_differences_table(groups: list[dict]) -> str | None:
+    """Quality layout: per P, the mean val-loss differences and FLOPs ratios of the arms."""
+    base = [g for g in groups if g["meta"].get("kind") == "baseline"]
+    if len(base) != 1:
+        return None
+    b = base[0]
+    pairs: dict[Any, dict] = defaultdict(dict)
+    for g in groups:
+        if g["meta"].get("kind") in ("engram", "ffn"):
+            pairs[g["meta"].get("p_index")][g["meta"]["kind"]] = g
+    header = ["P added", "Engram - FFN", "Engram - baseline", "FFN - baseline"]
+    header += ["FLOPs Engram / baseline", "FLOPs FFN / baseline", "FLOPs Engram / FFN"]
+    out = []
+    for _, pr in sorted(pairs.items(), key=lambda kv: str(kv[0])):
+        if set(pr) != {"engram", "ffn"}:
+            continue
+        e, f = pr["engram"], pr["ffn"]
+        out.append(
+            [_num(e["meta"].get("p_added", 0))]
+            + [f"{e['loss'] - f['loss']:+.4f}", f"{e['loss'] - b['loss']:+.4f}"]
+            + [f"{f['loss'] - b['loss']:+.4f}"]
+            + [f"{e['flops_per_token'] / b['flops_per_token']:.3f}"]
+            + [f"{f['flops_per_token'] / b['flops_per_token']:.3f}"]
+            + [f"{e['flops_per_token'] / f['flops_per_token']:.3f}"]
+        )
+    return _md(header, out) if out else None
+
+
+def render_tables(summary: list[dict], study3: dict | None = None, source: str = "") -> str:
+    """tables.md from summary.json's rows and study3.json (None: no Study 3 section)."""
+    groups = group_arms(summary)
+    sections = []
+    for study in sorted({g["study"] for g in groups}):
+        gs = [g for g in groups if g["study"] == study]
+        sections.append(f"## {study}\n\n{study_table(gs)}")
+    if study3 is not None:
+        sections.append(f"## what the memory holds (Study 3)\n\n{study3_table(study3)}")
+    sections.append(f"## accounting\n\n{accounting_table(summary)}")
+    sections.append(f"## seconds per step by run\n\n{runs_table(summary)}")
+    for study in sorted({g["study"] for g in groups}):
+        gs = [g for g in groups if g["study"] == study]
+        diff = quality_differences_table(gs) if _layout(gs) == "quality" else None
+        if diff:
+            sections.append(f"## {study}: differences of the means\n\n{diff}")
+    head = f"# Results ({len(summary)} runs from {source})" if source else "# Results"
+    return f"{head}\n\n" + "\n\n".join(sections) + "\n"
+
+
+def render_from_results(experiment_dir: str, source: str | None = None) -> str:
+    """tables.md of `<experiment_dir>/results/` from its summary.json and study3.json."""
+    out_dir = os.path.join(experiment_dir, "results")
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        summary = json.load(f)
+    s3 = None
+    if os.path.exists(s3_path := os.path.join(out_dir, "study3.json")):
+        with open(s3_path) as f:
+            s3 = json.load(f)
+    return render_tables(summary, s3, source or default_runs_dir(experiment_dir))
 
 
 # ----------------------------------------------------------------------------- Study 3
@@ -324,10 +426,9 @@ def write_report(experiment_dir: str, runs_dir: str, *, dpi: int = 90, echo: boo
     with open(written["summary"], "w") as f:
         json.dump(summary, f, indent=2)
     groups = group_arms(rows)
-    sections, plots = [], []
+    plots = []
     for study in sorted({g["study"] for g in groups}):
         gs = [g for g in groups if g["study"] == study]
-        sections.append(f"## {study}\n\n{study_table(gs)}")
         layout = _layout(gs)
         if layout == "quality":
             plots += plot_quality(gs, out_dir, study, dpi)
@@ -335,11 +436,11 @@ def write_report(experiment_dir: str, runs_dir: str, *, dpi: int = 90, echo: boo
             plots += plot_allocation(gs, out_dir, study, dpi)
     s3 = study3(rows)
     if s3 is not None:
-        sections.append(f"## what the memory holds (Study 3)\n\n{study3_table(s3)}")
         written["study3"] = os.path.join(out_dir, "study3.json")
         with open(written["study3"], "w") as f:
             json.dump(s3, f, indent=2, default=str)
-    text = f"# Results ({len(rows)} runs from {runs_dir})\n\n" + "\n\n".join(sections) + "\n"
+        s3 = json.loads(json.dumps(s3, default=str))  # render what the file holds
+    text = render_tables(json.loads(json.dumps(summary)), s3, runs_dir)
     written["tables"] = os.path.join(out_dir, "tables.md")
     with open(written["tables"], "w") as f:
         f.write(text)
@@ -347,3 +448,13 @@ def write_report(experiment_dir: str, runs_dir: str, *, dpi: int = 90, echo: boo
         print(text)
     written |= {os.path.basename(p)[:-4]: p for p in plots}
     return written
+
+
+if __name__ == "__main__":  # python -m v41jax.sweep.report EXPERIMENT_DIR: tables.md again
+    import sys
+
+    exp = sys.argv[1] if len(sys.argv) > 1 else "experiments/engram_vs_ffn"
+    md = render_from_results(exp)
+    with open(os.path.join(exp, "results", "tables.md"), "w") as f:
+        f.write(md)
+    print(md)
