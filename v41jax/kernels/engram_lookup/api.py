@@ -8,8 +8,9 @@ Implementations (``impl``):
   "xla"        one flat ``lax.gather`` of the ``N*H`` rows into ``[N*H, E]`` (a free reshape
                of ``[N, H*E]``), fused with the dequantisation. On CPU, for f32 tables of
                16 MiB and more, the rows are gathered in chunks whose cache lines are touched
-               first (``_gather_rows_touched``): 3x the bytes/s of ``jnp.take`` for a 1 GiB
-               table on the 2-core dev box (1.6 vs 0.5 GB/s; memcpy 12 GB/s).
+               first (``_gather_rows_touched``): 1.40x the bytes/s of ``jnp.take`` on the
+               2 GB table of ``python -m v41jax.bench engram``
+               (``experiments/benchmarks/engram.json``, ``bandwidth``).
   "pallas"     the Pallas kernel of the platform: ``engram_lookup_dma`` on TPU (and, with
                ``interpret=True``, on CPU), ``engram_lookup_vector`` on GPU.
   "pallas_tpu" / "pallas_gpu"  pick one of the two kernels explicitly (tests, debugging).
@@ -69,9 +70,9 @@ _ELEMENT_GATHER = lax.GatherDimensionNumbers(
 _IN_BOUNDS = lax.GatherScatterMode.PROMISE_IN_BOUNDS
 
 # CPU "touch" gather (see _gather_rows_touched): rows per chunk (2048 x 256 B rows = 512 KiB
-# stays in L2), and the smallest f32 table it is used for. Measured on the dev box (32 MiB
-# L3): the touch won 2-3x for 244 MiB-1 GiB tables and in 3 of 4 runs for 24 MiB; tables
-# of a few MiB stay cache resident in steady state, where it gains nothing.
+# stays in L2), and the smallest f32 table it is used for: tables of a few MiB stay cache
+# resident in steady state, where touching first gains nothing (the recorded comparison is
+# the 2 GB table of experiments/benchmarks/engram.json, 1.40x jnp.take).
 TOUCH_CHUNK_ROWS = 2048
 TOUCH_MIN_TABLE_BYTES = 16 << 20
 
@@ -92,14 +93,14 @@ def _gather_rows_touched(table_RxE: jax.Array, ids_M: jax.Array, chunk: int) -> 
 
     Why: on CPU, XLA copies a gathered row element by element, and that loop keeps only
     about one row's cache misses in flight, so a gather from a table far larger than cache
-    is latency bound (~5% of memcpy). A first gather of one element per 64-byte line of the
-    chunk's rows is a short loop with many misses in flight; it pulls the rows into cache
-    and the row gather that follows hits: for a 1 GiB f32 table and 64k ids, 1.6-1.9 GB/s
-    against 0.5-0.6 GB/s for one flat gather (memcpy: 12 GB/s; 2-core dev box).
+    is latency bound (``jnp.take``: 9.2% of memcpy on the 2 GB table of
+    ``experiments/benchmarks/engram.json``). A first gather of one element per 64-byte line
+    of the chunk's rows is a short loop with many misses in flight; it pulls the rows into
+    cache and the row gather that follows hits (12.9% of memcpy there, 1.40x ``jnp.take``).
     The touched values feed a data-dependent zero added to the ids, so XLA must run the
     touch first and cannot drop it. Only for 4-byte dtypes: XLA CPU gathers bf16/fp8 via
     a wider float (or a uint view), and inside the loop that becomes a converted copy of
-    the whole table per call (20-100x slower).
+    the whole table per call (far slower; not recorded in a benchmark JSON).
     """
     num_ids = ids_M.shape[0]
     emb = table_RxE.shape[1]

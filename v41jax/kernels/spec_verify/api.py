@@ -46,7 +46,8 @@ IMPLS = ("auto", "pallas", "reference")
 
 # Vocabulary columns per block. A multiple of 128 (TPU lanes) and a power of two (Triton):
 # p and q blocks of (2K+1) x 1024 f32 are ~70 KiB at K=8, far under VMEM even
-# double-buffered, and a 128k vocabulary takes 128 grid steps (~0.35 us overhead each).
+# double-buffered, and a 128k vocabulary takes 128 grid steps (each with a small fixed
+# per-step overhead; not measured here: no accelerator has run the kernel).
 DEFAULT_BLOCK_V = 1024
 
 
