@@ -44,6 +44,9 @@ def render(experiment: str) -> str:
         from v41jax.sweep.report import render_from_results
 
         return render_from_results(os.path.join("experiments", "engram_vs_ffn"))
+    if experiment in ("mhc_stability", "spec_throughput"):
+        report = _module(f"experiments/{experiment}/report.py", f"{experiment}_report")
+        return report.render_tables(_json("experiments", experiment, "results", "summary.json"))
     if experiment == "benchmarks":
         report = _module("experiments/benchmarks/report.py", "benchmarks_report")
         return report.render_tables(os.path.join(EXP, "benchmarks"))
@@ -58,7 +61,7 @@ def rendered_blocks(readme: str) -> list[str]:
     return blocks
 
 
-RENDERED = ("dspark", "engram_vs_ffn", "benchmarks")
+RENDERED = ("dspark", "engram_vs_ffn", "benchmarks", "mhc_stability", "spec_throughput")
 
 
 @pytest.mark.parametrize("experiment", RENDERED)
