@@ -231,8 +231,8 @@ def runs_table(rows: list[dict]) -> str:
     header = ["study", "arm", *(f"s/step seed {s}" for s in seeds), "max / min", "wall_s"]
     out = []
     for (study, arm), rs in by_arm.items():
-        steps = [rs[s]["step_s"] for s in seeds if s in rs and rs[s].get("step_s")]
-        cells = [f"{rs[s]['step_s']:.3f}" if s in rs else "-" for s in seeds]
+        steps = [rs[s]["step_s"] for s in seeds if rs.get(s, {}).get("step_s")]
+        cells = [f"{v:.3f}" if (v := rs.get(s, {}).get("step_s")) else "-" for s in seeds]
         ratio = f"{max(steps) / min(steps):.2f}" if steps else "-"
         wall = sum(r.get("wall_s") or 0.0 for r in rs.values())
         out.append([study, arm, *cells, ratio, f"{wall:.0f}"])
@@ -257,9 +257,8 @@ def quality_differences_table(groups: list[dict]) -> str | None:
     header = ["P added", "Engram - FFN", "Engram - baseline", "FFN - baseline"]
     header += ["FLOPs Engram / baseline", "FLOPs FFN / baseline", "FLOPs Engram / FFN"]
     out = []
-    for _, pr in sorted(pairs.items(), key=lambda kv: str(kv[0])):
-        if set(pr) != {"engram", "ffn"}:
-            continue
+    matched = [pr for pr in pairs.values() if set(pr) == {"engram", "ffn"}]
+    for pr in sorted(matched, key=lambda pr: pr["engram"]["meta"].get("p_added", 0)):
         e, f = pr["engram"], pr["ffn"]
         out.append(
             [_num(e["meta"].get("p_added", 0))]
