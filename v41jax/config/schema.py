@@ -132,6 +132,9 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip: float = 1.0  # 0 disables clipping
+    # S, the cosine's length in steps; 0 -> train.steps. A resumed run that raises
+    # train.steps keeps the length its first steps trained with (set here automatically).
+    schedule_steps: int = 0
     z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2)
     param_groups: tuple[ParamGroup, ...] = (
         ParamGroup("no_decay", r"(scale|bias)$", weight_decay=0.0),
@@ -233,6 +236,7 @@ def validate(cfg: Config) -> None:
         _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be > 0")
     _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    _require(o.schedule_steps >= 0, f"optim.schedule_steps={o.schedule_steps} must be >= 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio} not in [0, 1]")
     for axis in ("data", "fsdp", "tensor"):

@@ -2,6 +2,7 @@
 
 from v41jax.train.loop import LoadedRun, evaluate_run, load_run, train
 from v41jax.train.optimizer import lr_schedule, make_optimizer, param_group_labels
+from v41jax.train.resume import run_identity
 from v41jax.train.step import next_token_loss
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "make_optimizer",
     "next_token_loss",
     "param_group_labels",
+    "run_identity",
     "train",
 ]

@@ -1,7 +1,10 @@
 """The training loop: resumable, checkpointed, logged; plus evaluation and run loading.
 
 WORKDIR layout
-    config.json        the run's full config (a rerun must match it: same command resumes)
+    config.json        the run's full config: `train --workdir W` resumes from it; a rerun
+                       may change only what leaves the trained steps as they were
+                       (`v41jax.train.resume`: e.g. raise train.steps)
+    config_changes.jsonl  what each such rerun changed, at which step
     tokenizer.json     the BPE tokenizer the run trained on (generation needs no cache)
     compression.npz    tokenizer compression table (original id -> canonical id)
     checkpoints/<step> orbax checkpoints: train state + data-iterator state
@@ -40,17 +43,14 @@ from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.metrics import MetricsWriter
+from v41jax.train.resume import (
+    COMPUTE_ONLY_MODEL_FIELDS,
+    latest_checkpoint_step,
+    reconcile,
+    saved_config,
+)
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
-
-# Model fields that change how params are used, not which params exist: a run fine-tuned
-# with train.init_from may set them differently from its source.
-COMPUTE_ONLY_MODEL_FIELDS = (
-    "scan_layers",
-    "remat_policy",
-    "attention_impl",
-    "attention_block_size",
-)
 
 
 def maybe_initialize_distributed() -> None:
@@ -70,19 +70,6 @@ def maybe_initialize_distributed() -> None:
     jax.distributed.initialize(**kwargs)
 
 
-def _check_or_save_config(cfg: Config, workdir: str) -> None:
-    path = os.path.join(workdir, "config.json")
-    if os.path.exists(path):
-        diff = config_lib.diff(config_lib.load_json(path), cfg)
-        if diff:
-            raise ValueError(
-                f"workdir {workdir} holds a run with a different config ({'; '.join(diff)}); "
-                "use a new --workdir, or the original settings to resume"
-            )
-    elif jax.process_index() == 0:
-        config_lib.save_json(cfg, path)
-
-
 def resolve_data_dependent(cfg: Config, data: PreparedData) -> Config:
     """Fill what only the data knows: Engram's compressed vocabulary size V'."""
     engram = cfg.model.engram
@@ -100,32 +87,61 @@ def resolve_data_dependent(cfg: Config, data: PreparedData) -> Config:
 
 def validation_batches(cfg: Config, data: PreparedData, num_batches: int) -> list[dict]:
     """The first `num_batches` validation batches of this process, Engram ids included."""
-    batches = eval_batches(
-        data.val_tokens,
-        data.val_segments,
-        cfg.data.seq_len,
-        cfg.data.global_batch_size,
-        num_batches,
-        jax.process_index(),
-        jax.process_count(),
-    )
+    try:
+        batches = eval_batches(
+            data.val_tokens,
+            data.val_segments,
+            cfg.data.seq_len,
+            cfg.data.global_batch_size,
+            num_batches,
+            jax.process_index(),
+            jax.process_count(),
+        )
+    except ValueError as e:  # name the setting to change, not just the arithmetic
+        raise ValueError(
+            f"train.eval_batches={num_batches}: {e} (lower train.eval_batches, or raise "
+            f"data.val_fraction={cfg.data.val_fraction} or give more text)"
+        ) from None
     return [add_engram_ids(b, data.compression, cfg.model) for b in batches]
 
 
 def _prepare(cfg: Config, workdir: str, progress: bool) -> PreparedData:
-    # A fine-tuning run keeps its source's tokenizer, whatever text it trains on now.
-    source = cfg.train.init_from
+    """Tokenized data for the run; writes nothing. A resumed run keeps the tokenizer saved in
+    its workdir, a fine-tuning run its source's, whatever text it trains on now."""
+    source = workdir if os.path.exists(os.path.join(workdir, "tokenizer.json")) else None
+    source = source or cfg.train.init_from
     tokenizer = Tokenizer.load(os.path.join(source, "tokenizer.json")) if source else None
     data = prepare_data(cfg.data, show_progress=progress, tokenizer=tokenizer)
     if data.tokenizer.vocab_size != cfg.model.vocab_size:
+        where = f" (the tokenizer of {source})" if source else ""
         raise ValueError(
-            f"tokenizer has {data.tokenizer.vocab_size} tokens but "
+            f"tokenizer has {data.tokenizer.vocab_size} tokens{where} but "
             f"model.vocab_size={cfg.model.vocab_size}"
         )
-    if jax.process_index() == 0:
-        data.tokenizer.save(os.path.join(workdir, "tokenizer.json"))
-        data.compression.save(os.path.join(workdir, "compression.npz"))
     return data
+
+
+def _write_run_files(cfg: Config, workdir: str, data: PreparedData, changes: list[str]) -> None:
+    """config.json, tokenizer.json, compression.npz: written only once every check passed, so
+    a refused command leaves the workdir as it was. Resume changes go to config_changes.jsonl."""
+    if jax.process_index() != 0:
+        return
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path) or changes:
+        tmp = f"{path}.tmp"
+        config_lib.save_json(cfg, tmp)
+        os.replace(tmp, path)  # atomic: a kill mid-write keeps the old config
+    if changes:
+        with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
+            f.write(json.dumps({"step": latest_checkpoint_step(workdir), "changes": changes}))
+            f.write("\n")
+    for name, save in (
+        ("tokenizer.json", data.tokenizer.save),
+        ("compression.npz", data.compression.save),
+    ):
+        if not os.path.exists(os.path.join(workdir, name)):
+            save(os.path.join(workdir, name))
 
 
 def evaluate(eval_step, mesh, params, batches: list[dict]) -> dict:
@@ -148,14 +164,45 @@ def evaluate(eval_step, mesh, params, batches: list[dict]) -> dict:
     return result
 
 
+def _with_saved_vocab(cfg: Config, saved: Config) -> Config:
+    """`cfg` with the saved run's data-derived V' where `cfg` leaves it to the data (0)."""
+    engram = cfg.model.engram
+    if engram.compressed_vocab_size or not engram.enabled:
+        return cfg
+    engram = dataclasses.replace(
+        engram, compressed_vocab_size=saved.model.engram.compressed_vocab_size
+    )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
+
+
+def _init_source(cfg: Config) -> LoadedRun:
+    """The run train.init_from names, checked against the new run's model."""
+    source = load_run(cfg.train.init_from)
+    # How the params are computed with (scan, remat, attention path) may differ; the params
+    # themselves may not, except for their layer layout, which is converted.
+    free = {k: getattr(cfg.model, k) for k in COMPUTE_ONLY_MODEL_FIELDS}
+    source_model = dataclasses.replace(source.cfg.model, **free)
+    if diffs := config_lib.diff(source_model, cfg.model):
+        raise ValueError(f"train.init_from={cfg.train.init_from}: model differs {diffs}")
+    return source
+
+
 def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     """Train (or resume) the run in `workdir`; returns the final evaluation."""
     maybe_initialize_distributed()
     main = jax.process_index() == 0
-    os.makedirs(workdir, exist_ok=True)
+    saved, latest = saved_config(workdir), latest_checkpoint_step(workdir)
+    source = cfg.train.init_from
+    if source and not os.path.exists(os.path.join(source, "config.json")):
+        raise FileNotFoundError(f"train.init_from={source} holds no run (no config.json)")
+    if saved is not None:  # refuse a different run at once, before preparing any data
+        reconcile(saved, _with_saved_vocab(cfg, saved), latest, workdir)
     data = _prepare(cfg, workdir, progress and main)
     cfg = resolve_data_dependent(cfg, data)
-    _check_or_save_config(cfg, workdir)
+    changes: list[str] = []
+    if saved is not None:
+        cfg, changes = reconcile(saved, cfg, latest, workdir)
+    # Every check before the first write: a refused command leaves the workdir untouched.
     mesh = make_mesh(cfg.mesh)
     shards = batch_shards(mesh)
     if cfg.data.global_batch_size % shards:
@@ -164,6 +211,11 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
             f"by the mesh's data x fsdp = {shards} batch shards"
         )
     model, optimizer, init_fn, shardings, abstract = make_state_fns(cfg, mesh)
+    val = validation_batches(cfg, data, cfg.train.eval_batches)
+    source = _init_source(cfg) if latest is None and source else None
+    _write_run_files(cfg, workdir, data, changes)
+    if changes and main:
+        print(f"resuming {workdir} at step {latest} with changes: {'; '.join(changes)}")
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     iterator = BatchIterator(
         data.train_tokens,
@@ -177,14 +229,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     start = checkpointer.latest_step()
     if start is None:
         start, state = 0, init_fn(cfg.train.seed)
-        if cfg.train.init_from:  # fine-tuning: another run's params, a fresh optimizer
-            source = load_run(cfg.train.init_from)
-            # How the params are computed with (scan, remat, attention path) may differ; the
-            # params themselves may not, except for their layer layout, which is converted.
-            free = {k: getattr(cfg.model, k) for k in COMPUTE_ONLY_MODEL_FIELDS}
-            source_model = dataclasses.replace(source.cfg.model, **free)
-            if diffs := config_lib.diff(source_model, cfg.model):
-                raise ValueError(f"train.init_from={cfg.train.init_from}: model differs {diffs}")
+        if source is not None:  # fine-tuning: another run's params, a fresh optimizer
             params = convert_layout(source.params, layer_segments(cfg.model))
             state = state.replace(params=jax.device_put(params, shardings.params))
     else:
@@ -199,7 +244,6 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         )
     train_step = make_train_step(cfg, mesh, model, optimizer, shardings)
     eval_step = make_eval_step(cfg, mesh, model, shardings.params)
-    val = validation_batches(cfg, data, cfg.train.eval_batches)
     prepare = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)
     batches = PrefetchingBatches(iterator, prepare)
     writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
@@ -278,9 +322,11 @@ def load_run(workdir: str, step: int | None = None) -> LoadedRun:
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     step = checkpointer.latest_step() if step is None else step
     if step is None or step not in checkpointer.all_steps():
+        have = checkpointer.all_steps()
         raise FileNotFoundError(
-            f"no checkpoint {step if step is not None else ''} in "
-            f"{checkpointer.directory} (have {checkpointer.all_steps()})"
+            f"no checkpoint of step {step} in {checkpointer.directory} (have {have})"
+            if step is not None
+            else f"no checkpoints in {checkpointer.directory}: train the run first"
         )
     state, _ = checkpointer.restore(step, abstract)
     checkpointer.close()

@@ -6,7 +6,8 @@ so a group (Engram tables: Adam at 5x LR, no weight decay) gets its own LR scale
 without touching the others. Clipping is by the global norm over ALL groups, applied before the
 split, as a single-optimizer run would.
 
-Schedule (step s, warmup W, total S, peak lr, floor r*lr):
+Schedule (step s, warmup W, length S = optim.schedule_steps or train.steps, peak lr, floor
+r*lr; past S the rate stays at the floor):
     lr(s) = lr * s / W                                           for s < W
     lr(s) = r*lr + (1 - r)*lr * (1 + cos(pi * (s - W)/(S - W))) / 2    otherwise
 """
@@ -19,9 +20,14 @@ import jax
 import optax
 from flax import traverse_util
 
-from v41jax.config import OptimConfig, ParamGroup
+from v41jax.config import Config, OptimConfig, ParamGroup
 
 DEFAULT_GROUP = "default"
+
+
+def schedule_length(cfg: Config) -> int:
+    """S, the learning-rate schedule's length: optim.schedule_steps, or train.steps if 0."""
+    return cfg.optim.schedule_steps or cfg.train.steps
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int, lr_scale: float = 1.0) -> optax.Schedule:

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from v41jax import sharding
 from v41jax.config import Config, OptimConfig, ParamGroup
 from v41jax.model import Transformer, engram_ids_key
-from v41jax.train.optimizer import make_optimizer
+from v41jax.train.optimizer import make_optimizer, schedule_length
 
 
 @struct.dataclass
@@ -72,7 +72,7 @@ def make_state_fns(cfg: Config, mesh: Mesh):
     """
     model = build_model(cfg)
     boxed = jax.eval_shape(lambda: _init_params(model, cfg, jax.random.PRNGKey(0)))
-    optimizer = make_optimizer(optimizer_config(cfg), cfg.train.steps, nn.unbox(boxed))
+    optimizer = make_optimizer(optimizer_config(cfg), schedule_length(cfg), nn.unbox(boxed))
 
     def init_state(seed: jax.Array) -> TrainState:
         key = jax.random.PRNGKey(seed)

@@ -23,7 +23,7 @@ from v41jax.mhc import composite_gain
 from v41jax.model import ENGRAM_IDS_PREFIX, moe_metrics
 from v41jax.model.layout import unscan_tree
 from v41jax.train.batches import batch_keys
-from v41jax.train.optimizer import lr_schedule
+from v41jax.train.optimizer import lr_schedule, schedule_length
 from v41jax.train.state import TrainState
 
 
@@ -88,7 +88,7 @@ def make_train_step(
     cfg: Config, mesh: Mesh, model, optimizer, state_shardings: TrainState
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     """jit(train_step) with state and batch shardings; the input state is donated."""
-    schedule = lr_schedule(cfg.optim, cfg.train.steps)
+    schedule = lr_schedule(cfg.optim, schedule_length(cfg))
     z_loss = cfg.optim.z_loss
 
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
