@@ -26,9 +26,10 @@ from v41jax import config as config_lib
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config",
-        default="small",
-        help=f"named config {config_lib.named_configs()} or path to a .py with "
-        "get_config() (default: small)",
+        default=None,
+        help=f"named config {config_lib.named_configs()}, a path to a .py with get_config(), "
+        "or a run's config.json (default: the --workdir's own config.json when it holds a "
+        "run, else small)",
     )
     p.add_argument(
         "--set",
@@ -41,7 +42,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_config(args) -> config_lib.Config:
-    return config_lib.override(config_lib.get_config(args.config), args.overrides)
+    name = args.config
+    if name is None:  # resume a run from its own config; a new run defaults to `small`
+        saved = os.path.join(args.workdir, "config.json")
+        name = saved if os.path.exists(saved) else "small"
+        if name == "small":
+            print("no --config: training the `small` config", file=sys.stderr)
+    return config_lib.override(config_lib.get_config(name), args.overrides)
 
 
 def cmd_train(args) -> int:
@@ -114,7 +121,7 @@ def _generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed):
     from v41jax.dspark.engine import dspark_generate, load_or_measure_cost
     from v41jax.dspark.train import load_drafter
 
-    dcfg, dparams, _ = load_drafter(args.drafter)
+    dcfg, dparams, _ = load_drafter(args.drafter, target=run)
     cost = None
     if args.schedule == "scheduled":
         cost = load_or_measure_cost(
@@ -153,14 +160,14 @@ def _generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed):
 
 
 def cmd_train_drafter(args) -> int:
-    from v41jax.dspark.config import DrafterRunConfig
+    from v41jax.dspark.config import DrafterRunConfig, override_run_config
     from v41jax.dspark.train import load_drafter_config, train_drafter
 
     try:  # resuming: start from the saved config, so the same command continues the run
         base = load_drafter_config(args.workdir)[0]
     except FileNotFoundError:
         base = DrafterRunConfig()
-    cfg = config_lib.override(base, args.overrides)
+    cfg = override_run_config(base, args.overrides)
     result = train_drafter(
         cfg,
         args.target_workdir,
@@ -210,8 +217,47 @@ def cmd_report(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, plus a hint when a config field is given as an option (`--steps 24`)."""
+
+    def error(self, message: str):
+        hint = _option_hint(message)
+        super().error(f"{message}{hint}")
+
+
+def _option_hint(message: str) -> str:
+    if "unrecognized arguments" not in message:
+        return ""
+    from v41jax.dspark.config import DrafterRunConfig
+
+    leaves = set()
+    for tree in (config_lib.to_dict(config_lib.Config()), config_lib.to_dict(DrafterRunConfig())):
+        stack = [("", tree)]
+        while stack:
+            prefix, node = stack.pop()
+            for k, v in node.items():
+                if isinstance(v, dict):
+                    stack.append((f"{prefix}{k}.", v))
+                else:
+                    leaves.add(f"{prefix}{k}")
+    words = message.split(":", 1)[1].split()
+    hints = []
+    for i, word in enumerate(words):
+        if not word.startswith("--"):
+            continue
+        name = word[2:].split("=", 1)[0].replace("-", "_")
+        value = word.split("=", 1)[1] if "=" in word else None
+        if value is None and i + 1 < len(words) and not words[i + 1].startswith("--"):
+            value = words[i + 1]
+        for key in sorted(k for k in leaves if k.rsplit(".", 1)[-1] == name):
+            hints.append(f"--set {key}={value if value is not None else 'VALUE'}")
+    if not hints:
+        return "\nconfig fields are set with --set section.field=value (see --help)"
+    return "\nconfig fields are set with --set: did you mean " + " or ".join(hints) + "?"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m v41jax",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -2,6 +2,7 @@
 in the optimizer, a killed run resumes exactly, realignment starts from a drafter's params,
 and the CLI (train-drafter, generate --drafter) works end to end."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -144,6 +145,8 @@ def test_cli_train_drafter_then_generate(target, tmp_path):
     )
     assert gen.returncode == 0, gen.stderr
     assert "tokens per round (scheduled)" in gen.stderr
+    assert "measuring the decode-round cost at verify widths 1..3" in gen.stderr
+    assert "timing verify widths" in gen.stderr  # its progress bar
     assert os.path.exists(os.path.join(workdir, "loop_round_cost_b1.json"))
     bad = run(
         "train-drafter",
@@ -155,3 +158,60 @@ def test_cli_train_drafter_then_generate(target, tmp_path):
         "drafter.kind=eagle",
     )
     assert bad.returncode == 2 and "drafter.kind='eagle'" in bad.stderr
+
+
+def _snapshot(workdir):
+    out = {}
+    for root, _, files in os.walk(workdir):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), workdir)] = f.read()
+    return out
+
+
+def test_a_drafter_checks_its_target(target, tmp_path):
+    """A drafter records its target's run identity: a different target (here the same shapes,
+    another seed: before, it ran silently) is a clear error; a moved target is accepted; a
+    refused train-drafter changes nothing, and a missing target creates no workdir."""
+    workdir = str(tmp_path / "drafter")
+    train_drafter(drafter_cfg("train.steps=2"), target, workdir, progress=False)
+    with open(os.path.join(workdir, "drafter.json")) as f:
+        record = json.load(f)
+    assert not os.path.isabs(record["target_workdir"]) and record["target_identity"]
+
+    other = str(tmp_path / "other_target")
+    cfg = config_lib.override(
+        config_lib.get_config("tiny"),
+        ["train.steps=2", "train.eval_every=0", "model.max_seq_len=64", "train.seed=1"],
+    )
+    train(cfg, other, progress=False)
+    with pytest.raises(ValueError, match="trained for the target .* a different model or data"):
+        load_drafter(workdir, target=load_run(other))
+    before = _snapshot(workdir)
+    with pytest.raises(ValueError, match="target_identity"):
+        train_drafter(drafter_cfg("train.steps=2"), other, workdir, progress=False)
+    with pytest.raises(ValueError, match="train.lr"):
+        train_drafter(drafter_cfg("train.steps=2", "train.lr=0.1"), target, workdir)
+    assert _snapshot(workdir) == before
+
+    moved = str(tmp_path / "moved_target")
+    shutil.copytree(target, moved)
+    train_drafter(drafter_cfg("train.steps=2"), moved, workdir, progress=False)  # resumes
+    _, _, rec = load_drafter(workdir)
+    assert os.path.samefile(os.path.join(workdir, rec["target_workdir"]), moved)
+
+    missing = str(tmp_path / "new_drafter")
+    with pytest.raises(FileNotFoundError, match="holds no run"):
+        train_drafter(drafter_cfg(), str(tmp_path / "no_target"), missing, progress=False)
+    assert not os.path.exists(missing)
+
+
+def test_a_drafter_kind_sets_its_own_defaults():
+    from v41jax.dspark.config import override_run_config
+
+    mtp1 = override_run_config(DrafterRunConfig(), ["drafter.kind=mtp1"]).drafter
+    assert (mtp1.kind, mtp1.block_size) == ("mtp1", 1)
+    parallel = override_run_config(DrafterRunConfig(), ["drafter.kind=parallel"]).drafter
+    assert (parallel.kind, parallel.markov_rank, parallel.block_size) == ("parallel", 0, 5)
+    with pytest.raises(ValueError, match="block_size=3 != 1"):  # an explicit value still wins
+        override_run_config(DrafterRunConfig(), ["drafter.kind=mtp1", "drafter.block_size=3"])

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from v41jax import config as config_lib
+
 DRAFTER_KINDS = ("dspark", "parallel", "mtp1")
+# What each kind fixes: `--set drafter.kind=mtp1` alone is a valid drafter.
+KIND_DEFAULTS = {"dspark": {}, "parallel": {"markov_rank": 0}, "mtp1": {"block_size": 1}}
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -21,8 +25,9 @@ class DrafterConfig:
     """The drafter network.
 
     kind: "dspark" (parallel block + Markov head), "parallel" (the same block without the
-        Markov head: Medusa-like independent heads), "mtp1" (one draft per round: an
-        MTP-1-style single block; block_size must be 1).
+        Markov head: Medusa-like independent heads; markov_rank 0), "mtp1" (one draft per
+        round: an MTP-1-style single block; block_size 1). `override_run_config` sets what
+        the kind fixes (KIND_DEFAULTS) unless the same assignments set it.
     block_size: K, drafts per round; the input block is [anchor, mask x (K - 1)].
     target_layer_ids: target layers whose outputs (concatenated) are the context; () -> the
         last min(3, num_layers) layers.
@@ -138,3 +143,20 @@ class DrafterTrainConfig:
 class DrafterRunConfig:
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: DrafterTrainConfig = field(default_factory=DrafterTrainConfig)
+
+
+def override_run_config(cfg: DrafterRunConfig, assignments: list[str]) -> DrafterRunConfig:
+    """`config.override` for drafter runs: `drafter.kind=K` also sets the fields kind K fixes
+    (KIND_DEFAULTS: mtp1 -> block_size=1, parallel -> markov_rank=0) unless the same
+    assignments set them, so `--set drafter.kind=mtp1` alone is valid."""
+    keys = {a.split("=", 1)[0].strip() for a in assignments}
+    implied = []
+    for a in assignments:
+        key, _, value = a.partition("=")
+        if key.strip() == "drafter.kind":
+            implied += [
+                f"drafter.{name}={v}"
+                for name, v in KIND_DEFAULTS.get(value.strip(), {}).items()
+                if f"drafter.{name}" not in keys
+            ]
+    return config_lib.override(cfg, implied + list(assignments))

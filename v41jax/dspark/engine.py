@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import time
 from typing import Any, NamedTuple
 
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
+from tqdm.auto import tqdm
 
 from v41jax.config import ModelConfig
 from v41jax.dspark.config import DrafterConfig
@@ -95,7 +97,9 @@ def check_dspark_args(
     if max(need, prompt_shape[1]) > target_cfg.max_seq_len:
         raise ValueError(
             f"prompt length {int(lengths.max())} + max_new_tokens {n_new} + 2 * block_size {k}"
-            f" + 1 = {need} exceeds the target's max_seq_len {target_cfg.max_seq_len}"
+            f" + 1 = {need} exceeds the target's max_seq_len {target_cfg.max_seq_len} (a "
+            "drafter needs 2 x block_size + 1 positions of slack beyond plain decoding: the "
+            "last round's draft block and its verify; shorten the prompt or max_new_tokens)"
         )
 
 
@@ -250,6 +254,7 @@ def measure_round_cost(
     passes: int = 3,
     temperature: float = 1.0,
     compression: Any = None,
+    progress: bool = False,
 ) -> CostTable:
     """Seconds of one decode round at each verify width w = 1 .. K, B rows, as the loop runs
     it: the drafter pass, Markov sampling, the target's verify of w + 1 tokens per row, the
@@ -259,11 +264,10 @@ def measure_round_cost(
     as many as max_seq_len holds). The first pass also compiles and is discarded; the cost is
     the min over the other `passes`.
 
-    Timed inside the loop on purpose: one launch and one sync per round (the old method)
-    added a fixed ~10 ms to every width on the dev VM and flattened the table (70/73/72/79/
-    74 ms against 59/59/65/71/73 ms in the loop for w = 1..5), which hid that short widths
-    are cheaper. Returns CostTable(tokens = B (1 + w), seconds), the table
-    `schedule_verify_lengths(basis="width")` reads."""
+    Timed inside the loop on purpose: a launch and a sync per round add a fixed cost to every
+    width that flattens the table and hides that short widths are cheaper. `progress` shows
+    a bar over the (passes + 1) x K timed decodes. Returns CostTable(tokens = B (1 + w),
+    seconds), the table `schedule_verify_lengths(basis="width")` reads."""
     k, s = drafter.block_size, target_cfg.max_seq_len
     if rounds is None:  # 16, or as many as the target's context holds
         rounds = max(1, min(16, (s - 2 * k - 2) // (k + 1)))
@@ -296,12 +300,15 @@ def measure_round_cost(
         return max(elapsed, tick) / (int(state.r) - r0)
 
     best = [float("inf")] * k
+    bar = tqdm(total=(passes + 1) * k, desc="timing verify widths", disable=not progress)
     for p in range(passes + 1):  # pass 0 compiles
         widths = list(range(1, k + 1))[:: 1 if p % 2 == 0 else -1]  # alternate: drift
         for w in widths:
             secs = seconds_per_round(w, p)
             if p:
                 best[w - 1] = min(best[w - 1], secs)
+            bar.update(1)
+    bar.close()
     return CostTable(tuple(b * (1 + w) for w in range(1, k + 1)), tuple(best))
 
 
@@ -313,16 +320,23 @@ def load_or_measure_cost(
     drafter: DrafterConfig,
     batch_size: int,
     compression: Any = None,
+    progress: bool = True,
 ) -> CostTable:
     """The round-cost table saved with the drafter run for this batch size, measured on first
-    use (`loop_round_cost_b{B}.json`; delete it to re-measure on another machine)."""
+    use (`loop_round_cost_b{B}.json`; delete it to re-measure on another machine). Measuring
+    compiles and times K decodes per pass; it says so on stderr and shows `progress`."""
     path = os.path.join(drafter_workdir, f"loop_round_cost_b{batch_size}.json")
     if os.path.exists(path):
         return CostTable.load(path)
+    print(
+        f"measuring the decode-round cost at verify widths 1..{drafter.block_size} for batch "
+        f"{batch_size} (once per drafter and batch size; saved to {path})",
+        file=sys.stderr,
+    )
     frozen = frozen_target(target_params, target_cfg)
     cost = measure_round_cost(
         target_params, target_cfg, drafter_params, drafter, frozen, batch_size,
-        compression=compression,
+        compression=compression, progress=progress,
     )  # fmt: skip
     cost.save(path)
     return cost

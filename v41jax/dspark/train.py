@@ -1,7 +1,9 @@
 """Frozen-backbone drafter training (`python -m v41jax train-drafter --target-workdir T ...`).
 
 WORKDIR layout (resumable like `train`: the same command continues a killed run)
-    drafter.json       DrafterRunConfig + the target it was trained against (a rerun must match)
+    drafter.json       DrafterRunConfig + the target it was trained against: its path
+                       (relative to this workdir), step and `run_identity` hash, which every
+                       later use checks (a rerun must match; a moved target may be named)
     checkpoints/<step> orbax: {params, opt_state} of the drafter only + data-iterator state
     metrics.jsonl      train steps and evals (loss, ce, conf_bce, accept_k, conf_k per position)
     eval.json          the final evaluation
@@ -20,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 
 import jax
@@ -31,10 +34,10 @@ from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
 from v41jax.data import BatchIterator, eval_batches, prepare_data
-from v41jax.dspark.config import DrafterRunConfig
+from v41jax.dspark.config import DrafterRunConfig, override_run_config
 from v41jax.dspark.drafter import Drafter, frozen_target
 from v41jax.dspark.objective import drafter_loss, eval_metrics, sample_anchors, target_features
-from v41jax.train import load_run
+from v41jax.train import load_run, run_identity
 from v41jax.train.batches import add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.metrics import MetricsWriter
@@ -42,31 +45,88 @@ from v41jax.train.metrics import MetricsWriter
 CONFIG_FILE = "drafter.json"
 
 
-def _save_or_check(workdir: str, record: dict) -> None:
+def _check_record(workdir: str, record: dict) -> bool:
+    """False for a new run; True for a resumable one; ValueError for a different one. The
+    target's path may differ (a moved target) when its identity and step agree."""
     path = os.path.join(workdir, CONFIG_FILE)
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
-        # settings added since the run was made read as their defaults
-        old["config"] = config_lib.to_dict(config_lib.from_dict(DrafterRunConfig, old["config"]))
-        diffs = config_lib.diff(old, record)
-        if diffs:
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        old = json.load(f)
+    # settings added since the run was made read as their defaults
+    old["config"] = config_lib.to_dict(config_lib.from_dict(DrafterRunConfig, old["config"]))
+    ignored = ["target_workdir", "init_from"]  # init_from only seeds step 0
+    if "target_identity" not in old:  # recorded before identities: the path must agree
+        ignored.append("target_identity")
+        if os.path.abspath(recorded_target(workdir, old)) != os.path.abspath(
+            os.path.join(workdir, record["target_workdir"])
+        ):
             raise ValueError(
-                f"workdir {workdir} holds a drafter run with different settings "
-                f"({'; '.join(diffs)}); use a new --workdir, or the original settings to resume"
+                f"workdir {workdir} holds a drafter run of the target "
+                f"{recorded_target(workdir, old)}, not {record['target_workdir']}"
             )
-        return
-    with open(path, "w") as f:
+    diffs = config_lib.diff(
+        {k: v for k, v in old.items() if k not in ignored},
+        {k: v for k, v in record.items() if k not in ignored},
+    )
+    if diffs:
+        raise ValueError(
+            f"workdir {workdir} holds a drafter run with different settings "
+            f"({'; '.join(diffs)}); use a new --workdir, or the original settings to resume"
+        )
+    return True
+
+
+def _write_record(workdir: str, record: dict) -> None:
+    os.makedirs(workdir, exist_ok=True)
+    path = os.path.join(workdir, CONFIG_FILE)
+    with open(f"{path}.tmp", "w") as f:
         json.dump(record, f, indent=2, sort_keys=True)
+    os.replace(f"{path}.tmp", path)
 
 
-def load_drafter_config(workdir: str) -> tuple[DrafterRunConfig, dict]:
-    """(the run's config, its JSON record: target_workdir, target_step, ...)."""
+def _relative(path: str, workdir: str) -> str:
+    return os.path.relpath(os.path.abspath(path), os.path.abspath(workdir))
+
+
+def recorded_target(workdir: str, record: dict) -> str:
+    """The target workdir a drafter run records (relative to the drafter's workdir; older
+    runs recorded an absolute path)."""
+    return os.path.normpath(os.path.join(workdir, record["target_workdir"]))
+
+
+def check_target(workdir: str, record: dict, target) -> None:
+    """ValueError unless `target` (a LoadedRun) is the model the drafter was trained for;
+    a note on stderr when it has trained further since (realignment may help)."""
+    want = record.get("target_identity")
+    have = run_identity(target.cfg)
+    if want is not None and want != have:
+        raise ValueError(
+            f"drafter {workdir} was trained for the target {recorded_target(workdir, record)} "
+            f"(run identity {want}, step {record.get('target_step')}), but the target given "
+            f"has identity {have}: a different model or data. Train a drafter for it: "
+            "python -m v41jax train-drafter --target-workdir TARGET --workdir NEW"
+        )
+    if want is not None and int(target.step) != record.get("target_step"):
+        print(
+            f"note: drafter {workdir} was trained against step {record.get('target_step')} of "
+            f"its target, which is now at step {target.step}; acceptance may be lower "
+            "(realign: train-drafter --init-from this drafter, a new --workdir)",
+            file=sys.stderr,
+        )
+
+
+def _load_record(workdir: str) -> dict:
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{workdir} holds no drafter run (no {CONFIG_FILE})")
     with open(path) as f:
-        record = json.load(f)
+        return json.load(f)
+
+
+def load_drafter_config(workdir: str) -> tuple[DrafterRunConfig, dict]:
+    """(the run's config, its JSON record: target_workdir, target_step, ...)."""
+    record = _load_record(workdir)
     return config_lib.from_dict(DrafterRunConfig, record["config"]), record
 
 
@@ -161,18 +221,21 @@ def train_drafter(
     init_from: str | None = None,
     progress: bool = True,
 ) -> dict:
-    """Train (or resume) the drafter in `workdir` against the target in `target_workdir`."""
-    os.makedirs(workdir, exist_ok=True)
+    """Train (or resume) the drafter in `workdir` against the target in `target_workdir`.
+
+    Every check runs before the first write, so a refused command (missing target, other
+    settings, bad layer ids) leaves `workdir` as it was (not even created)."""
     target = load_run(target_workdir)
     tcfg = target.cfg
     layer_ids = cfg.drafter.layer_ids_for(tcfg.model.num_layers)
     record = {
         "config": config_lib.to_dict(cfg),
-        "target_workdir": os.path.abspath(target_workdir),
+        "target_workdir": _relative(target_workdir, workdir),
         "target_step": int(target.step),
-        "init_from": os.path.abspath(init_from) if init_from else None,
+        "target_identity": run_identity(tcfg),
+        "init_from": _relative(init_from, workdir) if init_from else None,
     }
-    _save_or_check(workdir, record)
+    resuming = _check_record(workdir, record)
     data_cfg = tcfg.data
     if cfg.train.data_paths:
         data_cfg = dataclasses.replace(data_cfg, paths=tuple(cfg.train.data_paths))
@@ -182,10 +245,12 @@ def train_drafter(
     target_params = nn.unbox(target.params)
     opt, step_fn = make_train_step(cfg, tcfg.model, layer_ids)
     if init_from:
-        params = load_drafter(init_from)[1]
+        params = load_drafter(init_from, target=target, check=False)[1]
     else:
         params = init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed)
     state = {"params": params, "opt_state": opt.init(params)}
+    if not resuming or record["target_workdir"] != _load_record(workdir)["target_workdir"]:
+        _write_record(workdir, record)  # a new run, or its target moved (identity checked)
     it = BatchIterator(
         data.train_tokens, data.train_segments, seq_len, cfg.train.batch_size, seed=cfg.train.seed
     )
@@ -248,17 +313,28 @@ def train_drafter(
     return result
 
 
-def load_drafter(workdir: str, step: int | None = None):
-    """(DrafterRunConfig, drafter params, record) of the latest (or given) checkpoint."""
+def load_drafter(workdir: str, step: int | None = None, *, target=None, check: bool = True):
+    """(DrafterRunConfig, drafter params, record) of the latest (or given) checkpoint.
+
+    target: the target run (a LoadedRun) to use it with; default the one the run records.
+    It must be the model the drafter was trained for (`check_target`): its shapes define the
+    drafter's."""
     cfg, record = load_drafter_config(workdir)
-    target = load_run(record["target_workdir"])  # the target's shapes define the drafter's
+    if target is None:
+        target = load_run(recorded_target(workdir, record))
+    if check:
+        check_target(workdir, record, target)
     frozen = frozen_target(target.params, target.cfg.model)
     params = init_drafter_params(cfg, target.cfg.model, frozen, 0)
     state = {"params": params, "opt_state": _optimizer(cfg).init(params)}
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     step = ckpt.latest_step() if step is None else step
     if step is None or step not in ckpt.all_steps():
-        raise FileNotFoundError(f"no drafter checkpoint {step} in {ckpt.directory}")
+        raise FileNotFoundError(
+            f"no drafter checkpoint of step {step} in {ckpt.directory} (have {ckpt.all_steps()})"
+            if step is not None
+            else f"no drafter checkpoints in {ckpt.directory}: train the drafter first"
+        )
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
     restored, _ = ckpt.restore(step, abstract)
     ckpt.close()
@@ -266,4 +342,4 @@ def load_drafter(workdir: str, step: int | None = None):
 
 
 def with_overrides(cfg: DrafterRunConfig, overrides: list[str]) -> DrafterRunConfig:
-    return config_lib.override(cfg, overrides) if overrides else dataclasses.replace(cfg)
+    return override_run_config(cfg, overrides) if overrides else dataclasses.replace(cfg)
