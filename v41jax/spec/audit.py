@@ -34,11 +34,7 @@ error (e.g. a verifier spec that does not name a function).
 
 from __future__ import annotations
 
-import argparse
-import difflib
-import importlib.util  # also binds importlib.import_module
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,86 +104,16 @@ class AuditReport:
     def format(self, detail: str = "failed") -> str:
         """Verdict, a one-line-per-check table, then observed/expected tables: of failed checks
         ("failed"), or also of every passed pooled and A|L test ("all")."""
-        verdict = "PASSED" if self.passed else "FAILED"
-        p_min = _p_str(self.p_value, self.log10_p_value)
-        lines = [
-            f"speculative verifier audit: {verdict}  {self.verifier_name}",
-            f"V={self.vocab_size} K={self.k}, {self.num_samples} samples per case, seed "
-            f"{self.seed}, {len(self.tests)} checks, Bonferroni alpha={self.alpha:g}, min "
-            f"adjusted p={p_min}, {len(self.failed)} failed ({self.seconds:.1f} s)",
-            "",
-            f"{'case':<16}{'check':<14}{'G':>12}{'dof':>5}{'p':>11}{'p_adj':>11}  ok",
-        ]
-        for t in self.tests:
-            lines.append(
-                f"{t.case:<16}{t.name:<14}{t.statistic:>12.1f}{t.dof:>5}"
-                f"{_p_str(t.p_value, t.log10_p):>11}{t.p_adjusted:>11.3g}  "
-                + ("yes" if t.passed else "NO")
-                + (f"  ({t.note})" if t.note else "")
-            )
-        for t in self.tests:
-            if not t.passed or (detail == "all" and t.observed.ndim == 1 and t.dof):
-                lines += ["", f"[{t.case}] {t.name}: observed / expected"] + _table(t)
-        lines += ["", f"verdict: {verdict} (min adjusted p = {p_min})"]
-        return "\n".join(lines)
+        from v41jax.spec.audit_text import format_report
+
+        return format_report(self, detail)
 
     def summary(self, max_failed: int = 6) -> str:
         """Verdict, then one line per case: its checks, how many failed, and its worst check
         (smallest p); `format` lists every check."""
-        verdict = "PASSED" if self.passed else "FAILED"
-        p_min = _p_str(self.p_value, self.log10_p_value)
-        lines = [
-            f"speculative verifier audit: {verdict}  {self.verifier_name}",
-            f"V={self.vocab_size} K={self.k}, {self.num_samples} samples per case, seed "
-            f"{self.seed}, {len(self.tests)} checks, Bonferroni alpha={self.alpha:g} "
-            f"({self.seconds:.1f} s)",
-            "",
-            f"{'case':<16}{'checks':>6}{'failed':>8}  {'worst check':<14}{'p':>11}"
-            f"{'p_adj':>11}  ok",
-        ]
-        for case in dict.fromkeys(t.case for t in self.tests):
-            tests = [t for t in self.tests if t.case == case]
-            worst = min(tests, key=lambda t: (t.log10_p, t.p_value))
-            failed = sum(not t.passed for t in tests)
-            lines.append(
-                f"{case:<16}{len(tests):>6}{failed:>8}  {worst.name:<14}"
-                f"{_p_str(worst.p_value, worst.log10_p):>11}{worst.p_adjusted:>11.3g}  "
-                + ("NO" if failed else "yes")
-            )
-        if self.failed:
-            names = [f"{t.case}/{t.name}" for t in self.failed]
-            more = len(names) - max_failed
-            lines += [
-                "",
-                "failed: " + ", ".join(names[:max_failed]) + (f" (+{more})" if more > 0 else ""),
-            ]
-        lines += [
-            "",
-            f"verdict: {verdict} (min adjusted p = {p_min}; {len(self.failed)} of "
-            f"{len(self.tests)} checks failed); --verbose lists every check",
-        ]
-        return "\n".join(lines)
+        from v41jax.spec.audit_text import summarize_report
 
-
-def _p_str(p: float, log10_p: float) -> str:
-    """p, or 1e<log10 p> where p underflowed to 0 ("0" only for impossible counts)."""
-    return f"1e{log10_p:.0f}" if p == 0.0 and math.isfinite(log10_p) else f"{p:.3g}"
-
-
-def _table(t: AuditCheck, max_rows: int = 8) -> list[str]:
-    """Rows of observed/expected counts; for strata, the max_rows with the largest G terms."""
-    obs, exp = np.atleast_2d(t.observed), np.atleast_2d(t.expected)
-    labels = t.labels or ("",) * len(obs)
-    cols = [f"{'A' if t.name[0] == 'A' else 'v'}={i}" for i in range(obs.shape[1] - 1)]
-    cols += ["invalid"]  # out-of-range tokens, or A outside [0, L]
-    cols = ["A!in[0,L]", "prefix!=d", "token!in[V]", "tail!=-1"] if t.name == "validity" else cols
-    g = 2 * (xlogy(obs, obs) - xlogy(obs, np.where(exp > 0, exp, 1))).sum(1)
-    order = np.argsort(-g)[:max_rows]
-    out = ["  " + f"{'':<14}" + "".join(f"{c:>12}" for c in cols)]
-    for i in order:
-        out.append("  " + f"{labels[i] + ' obs':<14}" + "".join(f"{x:>12.0f}" for x in obs[i]))
-        out.append("  " + f"{labels[i] + ' exp':<14}" + "".join(f"{x:>12.1f}" for x in exp[i]))
-    return out
+        return summarize_report(self, max_failed)
 
 
 @dataclass(frozen=True)
@@ -409,100 +335,11 @@ def make_report(raw: list[dict], alpha: float, fn, name: str, start: float, **me
     )  # fmt: skip
 
 
-SPEC_FORM = "module:function or path/to/file.py:function"
-
-
-def load_callable(spec: str) -> Verifier:
-    """`package.module:function` or `path/to/file.py:function`; a ValueError naming `spec`
-    when it is not of that form or names no module, file or function."""
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        mod, dot, fn = spec.rpartition(".")
-        if spec.endswith(".py"):
-            hint = f" (did you mean {spec}:FUNCTION?)"
-        else:
-            hint = f" (did you mean {mod}:{fn}?)" if dot and mod and fn else ""
-        raise ValueError(f"verifier {spec!r}: expected {SPEC_FORM}{hint}")
-    if target.endswith(".py"):
-        if not os.path.isfile(target):
-            raise ValueError(f"verifier {spec!r}: no file {target!r}")
-        mod_spec = importlib.util.spec_from_file_location(f"_audited_{abs(hash(target))}", target)
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as e:
-            missing = e.name or target
-            if target == missing or target.startswith(f"{missing}."):
-                raise ValueError(
-                    f"verifier {spec!r}: no module named {missing!r} (expected {SPEC_FORM})"
-                ) from None
-            raise ValueError(f"verifier {spec!r}: importing {target!r} failed: {e}") from None
-    fn = getattr(module, attr, None)
-    if fn is None:
-        names = [n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n))]
-        close = difflib.get_close_matches(attr, names, n=3)
-        hint = f" (did you mean {', '.join(f'{target}:{c}' for c in close)}?)" if close else ""
-        raise ValueError(f"verifier {spec!r}: {target!r} has no attribute {attr!r}{hint}")
-    if not callable(fn):
-        raise ValueError(f"verifier {spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
-
-
-DESCRIPTION = """\
-Statistical audit: does a speculative verifier preserve the target distribution?
-
-Runs the verifier on fixed target/draft tables (six cases: random drafts, random verify
-lengths, target zeros, one-hot drafts, near-identical laws), G-tests the emitted tokens and the
-acceptance counts against their exact laws, and decides by Bonferroni over all checks. Prints a
-summary, one line per case (--verbose: every check). Exit status: 0 if the audit passes, 1 if
-it fails, 2 on a usage error."""
-
-EPILOG = "example: python -m v41jax.spec.audit v41jax.spec.audit:reference_verifier --samples 20000"
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: print the report; return 0 if the verifier passes, 1 if not."""
-    ap = argparse.ArgumentParser(
-        prog="python -m v41jax.spec.audit",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("verifier", help=SPEC_FORM)
-    ap.add_argument("--samples", type=int, default=200_000, help="rows per case (200000)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the tables and draws (0)")
-    ap.add_argument("--vocab", type=int, default=6, help="vocabulary size V >= 3 (6)")
-    ap.add_argument("--k", type=int, default=3, help="drafts per row K >= 1 (3)")
-    ap.add_argument("--alpha", type=float, default=1e-3, help="family-wise level (1e-3)")
-    ap.add_argument(
-        "--verbose", action="store_true", help="list every check, and observed/expected tables"
-    )
-    ap.add_argument(
-        "--detail",
-        choices=["failed", "all"],
-        default=None,
-        help="with --verbose (implies it): tables of failed checks only, or of all (default)",
-    )
-    ap.add_argument("--no-jit", action="store_true", help="call the verifier eagerly")
-    args = ap.parse_args(argv)
-    if args.samples < 1 or args.vocab < 3 or args.k < 1 or not 0 < args.alpha < 1:
-        ap.error(
-            f"need --samples >= 1, --vocab >= 3, --k >= 1 and 0 < --alpha < 1; got "
-            f"{args.samples}, {args.vocab}, {args.k}, {args.alpha:g}"
-        )
-    try:
-        verifier = load_callable(args.verifier)
-    except ValueError as e:
-        ap.error(str(e))
-    report = audit_verifier(
-        verifier, vocab_size=args.vocab, k=args.k, num_samples=args.samples,
-        seed=args.seed, alpha=args.alpha, jit=not args.no_jit, name=args.verifier,
-    )  # fmt: skip
-    verbose = args.verbose or args.detail is not None
-    print(report.format(args.detail or "all") if verbose else report.summary())
-    return 0 if report.passed else 1
+    """The CLI (`v41jax.spec.audit_cli`): print the report; 0 if the verifier passes."""
+    from v41jax.spec.audit_cli import main as cli_main
+
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
