@@ -186,10 +186,11 @@ def cmd_bench(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from v41jax.sweep import default_runs_dir, is_done, load_sweep, run_sweep
+    from v41jax.sweep import default_runs_dir, is_done, load_sweep, record_setting, run_sweep
+    from v41jax.sweep.driver import check_workdir_config
 
     specs = load_sweep(args.sweep_file, args.setting, args.overrides)
-    runs_dir = args.runs_dir or default_runs_dir(args.sweep_file)
+    runs_dir = args.runs_dir or default_runs_dir(args.sweep_file, args.setting)
     if args.list:
         for s in specs:
             try:
@@ -198,6 +199,9 @@ def cmd_sweep(args) -> int:
                 state = "differs"
             print(f"{state:8s}{s.workdir(runs_dir)}  {json.dumps(dict(s.meta))}")
         return 0
+    for s in specs:  # nothing is written before every run dir is known to agree
+        check_workdir_config(s, s.workdir(runs_dir))
+    record_setting(runs_dir, args.sweep_file, args.setting)
     out = run_sweep(specs, runs_dir, progress=not args.no_progress, limit=args.limit)
     print(json.dumps({k: len(v) if isinstance(v, list) else v for k, v in out.items()}))
     if out["stopped"]:
@@ -207,12 +211,20 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from v41jax.sweep import default_runs_dir, write_report
+    from v41jax.sweep import experiment_dirs, recorded_setting, write_report
 
     if not os.path.isdir(args.experiment_dir):
         raise FileNotFoundError(f"experiment folder {args.experiment_dir!r} does not exist")
-    runs_dir = args.runs_dir or default_runs_dir(args.experiment_dir)
-    written = write_report(args.experiment_dir, runs_dir, echo=not args.quiet)
+    setting = args.setting or (recorded_setting(args.runs_dir) if args.runs_dir else None)
+    setting = setting or "full"
+    runs_dir, out_dir = experiment_dirs(args.experiment_dir, setting, args.runs_dir, args.out_dir)
+    if not os.path.isdir(runs_dir):
+        raise FileNotFoundError(f"no runs in {runs_dir!r} (setting {setting}); run the sweep")
+    if (found := recorded_setting(runs_dir)) not in (None, setting):
+        raise ValueError(f"{runs_dir} holds the runs of setting {found!r}, not {setting!r}")
+    written = write_report(
+        args.experiment_dir, runs_dir, out_dir=out_dir, setting=setting, echo=not args.quiet
+    )
     print(json.dumps(written, indent=2), file=sys.stderr)
     return 0
 
@@ -326,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("sweep_file", help="a .py with get_sweep(setting) -> list[RunSpec]")
     p.add_argument("--setting", default="full", help="the grid's size (default: full)")
     p.add_argument(
-        "--runs-dir", help="where the runs go (default: runs/<the sweep file's folder name>)"
+        "--runs-dir",
+        help="where the runs go (default: runs/<the sweep file's folder name>, with "
+        "_<setting> appended for any setting but full)",
     )
     p.add_argument(
         "--set",
@@ -345,7 +359,15 @@ def build_parser() -> argparse.ArgumentParser:
         "report", help="results/summary.json, tables.md and plots of an experiment's runs"
     )
     p.add_argument("experiment_dir", help="e.g. experiments/engram_vs_ffn")
-    p.add_argument("--runs-dir", help="default: runs/<experiment folder name>")
+    p.add_argument(
+        "--setting",
+        help="the sweep's setting (default: the one recorded in --runs-dir, else full); "
+        "only full writes the experiment's results/ by default",
+    )
+    p.add_argument("--runs-dir", help="default: runs/<experiment folder name>[_<setting>]")
+    p.add_argument(
+        "--out-dir", help="default: <experiment>/results for full, else <runs-dir>/results"
+    )
     p.add_argument("--quiet", action="store_true", help="do not print the tables")
     p.set_defaults(func=cmd_report)
     return parser

@@ -46,6 +46,7 @@ from v41jax.dspark.replay import replay_policies, stack_rounds  # noqa: E402
 from v41jax.dspark.self_text import write_target_samples  # noqa: E402
 from v41jax.dspark.train import load_drafter, train_drafter  # noqa: E402
 from v41jax.model import generate  # noqa: E402
+from v41jax.sweep import experiment_dirs  # noqa: E402
 from v41jax.train import load_run, train  # noqa: E402
 
 
@@ -341,8 +342,12 @@ def temperature_study(dec: Decoder, drafters: dict, batch: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs-dir", default=os.path.join("runs", "dspark"))
-    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--runs-dir", help="default: runs/dspark (runs/dspark_quick with --quick)")
+    ap.add_argument(
+        "--out-dir",
+        help="default: results/ next to this file; with --quick <runs-dir>/results, so a "
+        "miniature never overwrites the committed results",
+    )
     ap.add_argument(
         "--stage",
         choices=("all", "train", "eval", "scheduler"),
@@ -351,6 +356,8 @@ def main() -> int:
     )
     ap.add_argument("--quick", action="store_true", help="a miniature of everything (tests)")
     args = ap.parse_args()
+    setting = "quick" if args.quick else "full"
+    args.runs_dir, args.out_dir = experiment_dirs(HERE, setting, args.runs_dir, args.out_dir)
     if args.quick:
         for name, value in C.QUICK.items():
             setattr(C, name, value)
@@ -362,6 +369,7 @@ def main() -> int:
         return rerun_scheduler_study(w, args.out_dir)
     result = evaluate_all(w)
     summary = {
+        "setting": setting,
         "machine": machine_info(),
         "settings": {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"},
         "training": {n: json.load(open(os.path.join(w[n], "eval.json"))) for n in w},

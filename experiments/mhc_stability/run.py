@@ -35,8 +35,9 @@ def _series(rows, key):
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--runs-dir", default="runs/mhc_stability")
+    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = p.parse_args()
-    out_dir = os.path.join(HERE, "results")
+    out_dir = args.out_dir
     os.makedirs(out_dir, exist_ok=True)
     summary = []
     for arm in ARMS:

@@ -43,6 +43,7 @@ from v41jax.spec import (  # noqa: E402
     speculative_sample,
     walltime_speedup_measured,
 )
+from v41jax.sweep import experiment_dirs  # noqa: E402
 from v41jax.train import load_run, train  # noqa: E402
 
 
@@ -283,10 +284,16 @@ def plot_real(rows: list[dict], path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--runs-dir", default="runs/spec_throughput")
-    p.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    p.add_argument("--runs-dir", help="default: runs/spec_throughput (_quick with --quick)")
+    p.add_argument(
+        "--out-dir",
+        help="default: results/ next to this file; with --quick <runs-dir>/results, so a "
+        "miniature never overwrites the committed results",
+    )
     p.add_argument("--quick", action="store_true", help="a miniature of everything (tests)")
     args = p.parse_args()
+    setting = "quick" if args.quick else "full"
+    args.runs_dir, args.out_dir = experiment_dirs(HERE, setting, args.runs_dir, args.out_dir)
     steps = None
     if args.quick:
         quick = dict(C.QUICK)
@@ -314,7 +321,12 @@ def main() -> int:
             f"{r['speedup_predicted_lockstep']:9.3f} {1e3 * r['round_s_measured']:6.2f} "
             f"{1e3 * r['round_s_model']:6.2f}"
         )
-    summary = {"monte_carlo": mc, "real": real, "machine": jax.devices()[0].device_kind}
+    summary = {
+        "setting": setting,
+        "monte_carlo": mc,
+        "real": real,
+        "machine": jax.devices()[0].device_kind,
+    }
     with open(os.path.join(args.out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(f"wrote {args.out_dir}")

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -105,7 +106,10 @@ def test_sweep_limit_skip_kill_and_report(toy, tmp_path, capsys):
 
     before = _files_state(runs)
     assert main(["sweep", path, "--setting", "toy", "--runs-dir", runs, "--no-progress"]) == 0
-    assert _files_state(runs) == before  # finished runs are skipped: nothing retrained
+    after = _files_state(runs)
+    assert after.pop(os.path.join(runs, "sweep.json")) and after == before  # all skipped
+    with open(os.path.join(runs, "sweep.json")) as f:
+        assert json.load(f) == {"sweep_file": "toy_sweep.py", "setting": "toy"}
     assert main(["sweep", path, "--setting", "toy", "--runs-dir", runs, "--list"]) == 0
     assert capsys.readouterr().out.count("done    ") == 3
 
@@ -126,18 +130,22 @@ def test_sweep_limit_skip_kill_and_report(toy, tmp_path, capsys):
     # The report needs only the run dirs (the experiment folder holds no sweep file).
     exp = tmp_path / "exp"
     exp.mkdir()
+    # The toy setting is not "full": its report goes next to its runs, not into exp/results.
     assert main(["report", str(exp), "--runs-dir", runs, "--quiet"]) == 0
-    summary = json.load(open(exp / "results" / "summary.json"))
+    assert not (exp / "results").exists()
+    results = Path(runs) / "results"
+    summary = json.load(open(results / "summary.json"))
+    assert {r["setting"] for r in summary} == {"toy"}
     required = {"study", "arm", "seed", "total_params", "active_params", "flops_per_token"}
     required |= {"engram_params", "val_loss", "tokens_seen", "wall_s"}
     assert len(summary) == 3 and all(required <= set(r) for r in summary)
     by_arm = {r["arm"]: r for r in summary}
     assert by_arm["engram_s"]["engram_params"] > 0 == by_arm["ffn_s"]["engram_params"]
-    tables = (exp / "results" / "tables.md").read_text()
+    tables = (results / "tables.md").read_text()
     assert "| baseline | baseline |" in tables and "Best Engram model" in tables
-    pngs = sorted(p.name for p in (exp / "results").glob("*.png"))
+    pngs = sorted(p.name for p in results.glob("*.png"))
     assert pngs == [f"quality_{n}.png" for n in ("loss_vs_flops", "loss_vs_params", "step_time")]
-    study3 = json.load(open(exp / "results" / "study3.json"))
+    study3 = json.load(open(results / "study3.json"))
     assert study3["best"]["check_max_abs_logit_diff"] < 1e-5
     assert set(study3["compare"]) == {"baseline", "ffn"}
     overall = study3["best"]["groups"]["all"]["all"]
@@ -260,7 +268,7 @@ def test_mini_setting_end_to_end(tmp_path):
     sweep = [*cmd, "sweep", config, "--setting", "mini", "--runs-dir", runs, "--no-progress"]
     out = subprocess.run(sweep, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    report = [*cmd, "report", str(exp), "--runs-dir", runs]
+    report = [*cmd, "report", str(exp), "--runs-dir", runs, "--out-dir", str(exp / "results")]
     out = subprocess.run(report, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.load(open(exp / "results" / "summary.json"))

@@ -133,10 +133,53 @@ def load_sweep(
     return specs
 
 
-def default_runs_dir(experiment: str) -> str:
-    """`runs/<experiment folder name>` for a sweep file or experiment folder path."""
+SWEEP_FILE = "sweep.json"  # in a runs dir: which sweep file and setting its runs are
+
+
+def default_runs_dir(experiment: str, setting: str = "full") -> str:
+    """`runs/<experiment folder name>` for a sweep file or experiment folder path, with
+    `_<setting>` appended for any setting but "full" (a mini sweep never mixes with it)."""
     folder = os.path.dirname(experiment) if experiment.endswith(".py") else experiment
-    return os.path.join("runs", os.path.basename(os.path.abspath(folder)))
+    name = os.path.basename(os.path.abspath(folder))
+    return os.path.join("runs", name if setting == "full" else f"{name}_{setting}")
+
+
+def experiment_dirs(
+    experiment_dir: str, setting: str, runs_dir: str | None = None, out_dir: str | None = None
+) -> tuple[str, str]:
+    """(runs dir, results dir) of an experiment at `setting`, the given ones first.
+
+    Only the "full" setting writes the experiment's committed `results/` by default; any
+    other (mini, quick) writes `<runs dir>/results`, so a miniature never overwrites them."""
+    runs_dir = runs_dir or default_runs_dir(experiment_dir, setting)
+    default_out = os.path.join(experiment_dir if setting == "full" else runs_dir, "results")
+    return runs_dir, out_dir or default_out
+
+
+def record_setting(runs_dir: str, sweep_file: str, setting: str) -> None:
+    """Write (or check) `<runs_dir>/sweep.json`: a runs dir holds the runs of one setting."""
+    path = os.path.join(runs_dir, SWEEP_FILE)
+    record = {"sweep_file": os.path.basename(sweep_file), "setting": setting}
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        if old.get("setting") != setting:
+            raise ValueError(
+                f"{runs_dir} holds the runs of setting {old.get('setting')!r}, not {setting!r}; "
+                "use another --runs-dir"
+            )
+        return
+    os.makedirs(runs_dir, exist_ok=True)
+    _write_json(path, record)
+
+
+def recorded_setting(runs_dir: str) -> str | None:
+    """The setting `record_setting` wrote for `runs_dir` (None when none was recorded)."""
+    path = os.path.join(runs_dir, SWEEP_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("setting")
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -293,6 +336,8 @@ def run_sweep(
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit={limit} must be >= 0")
+    for spec in specs:  # refuse a conflicting run dir before training anything
+        check_workdir_config(spec, spec.workdir(runs_dir))
     out: dict = {"trained": [], "skipped": [], "stopped": False, "pending": []}
     with tqdm(total=len(specs), desc="sweep", unit="run", disable=not progress) as bar:
         for spec in specs:
