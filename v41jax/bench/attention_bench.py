@@ -32,7 +32,7 @@ from v41jax.sharding import make_mesh
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_train_step
 
-# The device check's run (50 s there): the default path's memory ratio, short timings.
+# The device check's run: the default path's memory ratio, short timings.
 QUICK = {
     "lengths": "256,1024",
     "splash_max_len": 256,

@@ -78,7 +78,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=positive_int, default=5)
     p.add_argument("--fp8-rows", type=positive_int, default=1 << 24, help="device FP8 table rows")
     p.add_argument("--peak-gbps", type=float, default=None, help="chip memory bandwidth")
-    p.add_argument("--quick", action="store_true", help="small sizes, few iterations (<1 min)")
+    p.add_argument("--quick", action="store_true", help="small sizes, few iterations")
     p.add_argument("--json", default=None)
 
 

@@ -1,4 +1,4 @@
-"""`small`: the quickstart model, about 5 minutes of training on 2 CPU cores (240 steps).
+"""`small`: the quickstart model (240 steps of training).
 
 4.5M parameters on the full default corpus (State of the Union addresses, BPE 4096).
 """

@@ -11,7 +11,7 @@ the target, `speculative_sample`. Two loops drive it:
   `lax.while_loop`), caches donated from call to call. At a change the width is read back
   and the matching program is dispatched, so each width costs what it costs. (A
   `lax.switch` over the widths inside the device loop carries the KV caches through the
-  conditional and XLA copies them in and out: ~25% slower per round on CPU.)
+  conditional and XLA copies them in and out on every round.)
 
 The scheduler trades expected tokens against the measured cost of a whole round at each width,
 timed inside the loop (`measure_round_cost`): the drafter pass, the Markov sampling and the

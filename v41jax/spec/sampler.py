@@ -28,8 +28,7 @@ Implementations (`impl`):
                row is ever needed. The token is drawn by inverse CDF with one uniform per
                row, two-level (block sums, then a cumsum inside the chosen block) so that
                no [B, V] random numbers and no full-length scan are needed. Rows go 8 at
-               a time so their few passes stay in cache (B=64, K=5, V=128k on the 2-core
-               dev box: 0.5x the time of reading p and q once; all rows at once: 2.2x).
+               a time so their few passes stay in cache.
   "reference"  `spec_verify_reference` on uniforms drawn from `key`: an exponential race
                over the residual row (reads every row, draws B V uniforms).
   "pallas"     the fused kernel (`v41jax.kernels.spec_verify`), one pass over all rows;
@@ -170,7 +169,7 @@ def _verify_xla(key, draft_tokens, draft_probs, target_probs, verify_len):
         return sample_inverse_cdf(residual[None], u[None])[0]
 
     # A few rows at a time, so the rows' passes (residual, mass check, block sums, search)
-    # hit cache: batched over all B rows at V = 128k, the same code was 6x slower on CPU.
+    # hit cache instead of streaming all B rows of V through memory once per pass.
     token = lax.map(
         sample_row,
         (target_probs, draft_probs, draft_tokens, num_accepted, verify_len, row_u),
