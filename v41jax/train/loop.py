@@ -317,6 +317,11 @@ def load_run(workdir: str, step: int | None = None) -> LoadedRun:
     cfg = config_lib.load_json(path)
     tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.json"))
     compression = CompressionTable.load(os.path.join(workdir, "compression.npz"))
+    if tokenizer.vocab_size != cfg.model.vocab_size:  # e.g. a file copied from another run
+        raise ValueError(
+            f"{workdir}: tokenizer.json has {tokenizer.vocab_size} tokens but the run's "
+            f"model.vocab_size={cfg.model.vocab_size}; the workdir's files are inconsistent"
+        )
     mesh = make_mesh(cfg.mesh)
     model, _, _, shardings, abstract = make_state_fns(cfg, mesh)
     checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
