@@ -70,3 +70,18 @@ def test_a_refused_sweep_writes_nothing(tmp_path, capsys):
     assert (sorted(os.listdir(runs)), (workdir / "config.json").read_text()) == before
     assert not (runs / "sweep.json").exists()
     json.loads((workdir / "config.json").read_text())  # intact
+
+
+def test_a_refused_report_writes_nothing(tmp_path, capsys):
+    """A report asked for another setting than its runs dir holds, or for runs that do not
+    exist, is an error before any results folder is made."""
+    exp, runs = tmp_path / "exp", str(tmp_path / "runs")
+    exp.mkdir()
+    record_setting(runs, "experiments/x/config.py", "mini")
+    argv = ["report", str(exp), "--runs-dir", runs, "--setting", "full", "--quiet"]
+    assert main(argv) == 2
+    assert "holds the runs of setting 'mini', not 'full'" in capsys.readouterr().err
+    assert main(["report", str(exp), "--runs-dir", str(tmp_path / "none"), "--quiet"]) == 2
+    assert "no runs in" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["exp", "runs"] and os.listdir(exp) == []
+    assert os.listdir(runs) == ["sweep.json"]
