@@ -26,6 +26,7 @@ from v41jax.engram.fp8 import (
     quantize_blocks,
     quantize_blocks_np,
 )
+from v41jax.kernels.engram_lookup import engram_lookup
 
 WIDTHS = [32, 96, 256]
 
@@ -185,6 +186,10 @@ def test_gather_commutes_with_dequantisation():
     train = jax.jit(lambda m, i: fake_quantize_blocks(m[i]))
     np.testing.assert_array_equal(_bits(train(master, ids)), want)
     np.testing.assert_array_equal(_bits(fake_quantize_blocks(master[ids])), want)
+    # The lookup kernel serves the format unchanged: it gathers the fp8 rows (cast to f32,
+    # exact), and the exponent rows are gathered beside it.
+    rows = engram_lookup(q, ids).reshape(*ids.shape, 96)
+    np.testing.assert_array_equal(_bits(dequantize_block_rows(rows, exp[ids])), want)
 
     w = jnp.asarray(np.random.default_rng(7).standard_normal((2, 19, 3, 96)), jnp.float32)
     grad = jax.grad(lambda m, fq: jnp.sum(w * (fake_quantize_blocks(m[ids]) if fq else m[ids])))
