@@ -17,6 +17,9 @@ from v41jax.config.mhc import MHCConfig
 DTYPES = ("float32", "bfloat16", "float16")
 # model.attention_impl: "auto" picks by the platform the program is lowered for (see
 # v41jax.kernels.attention); the others force one implementation.
+# How Engram tables are optimised (v41jax.engram.table_optim): today's dense AdamW, or a
+# row-sparse rule that touches only the rows a batch reads.
+TABLE_OPTIMIZERS = ("adam", "sparse_adam", "rowwise_adagrad")
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "dot_product", "splash")
 # model.remat_policy: what a block saves for the backward pass (v41jax.model.remat).
 REMAT_POLICIES = (
@@ -135,6 +138,10 @@ class OptimConfig:
     # S, the cosine's length in steps; 0 -> train.steps. A resumed run that raises
     # train.steps keeps the length its first steps trained with (set here automatically).
     schedule_steps: int = 0
+    # Engram tables: "adam" (dense AdamW in its own group, the reference), "sparse_adam"
+    # (lazy Adam on the rows a batch reads) or "rowwise_adagrad" (one accumulator per row);
+    # the sparse rules keep lr x model.engram.table_lr_scale and table_weight_decay.
+    table_optimizer: str = "adam"
     z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2)
     param_groups: tuple[ParamGroup, ...] = (
         ParamGroup("no_decay", r"(scale|bias)$", weight_decay=0.0),
@@ -236,6 +243,10 @@ def validate(cfg: Config) -> None:
         _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be > 0")
     _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    _require(
+        o.table_optimizer in TABLE_OPTIMIZERS,
+        f"optim.table_optimizer={o.table_optimizer!r} not in {TABLE_OPTIMIZERS}",
+    )
     _require(o.schedule_steps >= 0, f"optim.schedule_steps={o.schedule_steps} must be >= 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio} not in [0, 1]")

@@ -117,7 +117,9 @@ def flat_row_ids(cfg: EngramConfig, layer_id: int, hash_ids_BxTxH: jax.Array) ->
     return hash_ids_BxTxH.astype(jnp.int32) + offsets_H
 
 
-def _check_inputs(params: Params, h: jax.Array, hash_ids: jax.Array, cfg, layer_id) -> None:
+def _check_inputs(
+    params: Params, h: jax.Array, hash_ids: jax.Array, cfg, layer_id, gathered: bool = False
+) -> None:
     if layer_id not in cfg.layer_ids:
         raise ValueError(
             f"Engram: layer_id={layer_id!r} is not in EngramConfig.layer_ids={cfg.layer_ids}"
@@ -135,7 +137,7 @@ def _check_inputs(params: Params, h: jax.Array, hash_ids: jax.Array, cfg, layer_
     if not jnp.issubdtype(hash_ids.dtype, jnp.integer):
         raise ValueError(f"Engram: hash ids must be integers; got {hash_ids.dtype}")
     rows, table = stored_table_rows(cfg, layer_id), params["table"]
-    if table.shape != (rows, cfg.head_dim):
+    if not gathered and table.shape != (rows, cfg.head_dim):
         raise ValueError(
             f"Engram: table shape {table.shape} != ({rows}, {cfg.head_dim}) (layer {layer_id}'s "
             "sum of primes rounded up to table_row_align, head_dim): params built for another "
@@ -201,8 +203,13 @@ def engram_forward(
     dtype: Dtype | None = None,
     eps: float = 1e-6,
     conv_eps: float = 1e-5,
+    rows_UxC: jax.Array | None = None,
 ) -> jax.Array:
     """The Engram delta v for hidden states h [B, T, D] or [B, T, M, D] (same shape out).
+
+    rows_UxC: rows already read from the table (row-sparse training, host tables): then
+    `hash_ids_BxTxH` are slots into them, e = concat_h rows[slots[..., h]], and params need
+    no `table` (the gradient of e reaches only these U rows, `v41jax.engram.table_optim`).
 
     hash_ids_BxTxH: local per-head ids in [0, prime_h) from `ngram_hash_ids`.
     lookup: `(table, flat_ids, row_scale) -> e f32 [B, T, E]`; default `default_lookup`
@@ -212,11 +219,21 @@ def engram_forward(
     padding rows past the prime sum (never addressed), e.g. from `sharded.pad_table`. Raises
     ValueError on a layer_id without Engram, a bad h rank, or hash ids that are not [B, T, H].
     """
-    _check_inputs(params, h, hash_ids_BxTxH, cfg, layer_id)
+    if rows_UxC is not None:
+        if rows_UxC.ndim != 2 or rows_UxC.shape[1] != cfg.head_dim:
+            raise ValueError(
+                f"Engram: gathered rows must be [U, head_dim={cfg.head_dim}]; got {rows_UxC.shape}"
+            )
+        params = {**params, "table": rows_UxC}
+        lookup = lookup or functools.partial(engram_lookup, impl="reference")
+    _check_inputs(params, h, hash_ids_BxTxH, cfg, layer_id, gathered=rows_UxC is not None)
     dtype = h.dtype if dtype is None else dtype
     if lookup is None:
         lookup = default_lookup(hash_ids_BxTxH.shape[0], lookup_impl)
-    flat_ids_BxTxH = flat_row_ids(cfg, layer_id, hash_ids_BxTxH)
+    if rows_UxC is None:
+        flat_ids_BxTxH = flat_row_ids(cfg, layer_id, hash_ids_BxTxH)
+    else:
+        flat_ids_BxTxH = hash_ids_BxTxH.astype(jnp.int32)
     e_BxTxE = gather_memory(params, cfg, flat_ids_BxTxH, lookup).astype(dtype)
     h_BxTxMxD = (h[:, :, None, :] if h.ndim == 3 else h).astype(dtype)
     v_BxTxMxD = engram_gate_value(params, h_BxTxMxD, e_BxTxE, eps=eps)
@@ -270,8 +287,13 @@ class Engram(nn.Module):
     init_std: float = 0.02
 
     @nn.compact
-    def __call__(self, h: jax.Array, hash_ids_BxTxH: jax.Array) -> jax.Array:
-        """h [B, T, D] (needs num_branches == 1) or [B, T, M, D]; ids int [B, T, H]."""
+    def __call__(
+        self, h: jax.Array, hash_ids_BxTxH: jax.Array, rows_UxC: jax.Array | None = None
+    ) -> jax.Array:
+        """h [B, T, D] (needs num_branches == 1) or [B, T, M, D]; ids int [B, T, H].
+
+        rows_UxC: the rows read from the table outside the module (row-sparse training,
+        host tables); then ids are slots into them and the module declares no `table`."""
         cfg, d, m = self.cfg, self.hidden_size, self.num_branches
         if self.layer_id not in cfg.layer_ids:
             raise ValueError(f"Engram: layer_id={self.layer_id} not in layer_ids={cfg.layer_ids}")
@@ -289,13 +311,6 @@ class Engram(nn.Module):
         zeros, ones = nn.initializers.zeros, nn.initializers.ones
         rows = stored_table_rows(cfg, self.layer_id)
         params = {
-            "table": param(
-                "table",
-                nn.initializers.normal(self.init_std),
-                ("engram_rows", "engram_head_dim"),
-                (rows, cfg.head_dim),
-                table_storage_dtype(cfg),
-            ),
             "w_v": param("w_v", _fan_in_normal(e), ("engram_embed", "embed"), (e, d)),
             "b_v": param("b_v", zeros, ("embed",), (d,)),
             "w_k": param(
@@ -305,6 +320,14 @@ class Engram(nn.Module):
             "key_norm": param("key_norm", ones, ("engram_branch", "norm"), (m, d)),
             "query_norm": param("query_norm", ones, ("engram_branch", "norm"), (m, d)),
         }
+        if rows_UxC is None:
+            params["table"] = param(
+                "table",
+                nn.initializers.normal(self.init_std),
+                ("engram_rows", "engram_head_dim"),
+                (rows, cfg.head_dim),
+                table_storage_dtype(cfg),
+            )
         if self.has_variable("params", "table_scale"):  # served from `export_fp8_table`
             params["table_scale"] = self.get_variable("params", "table_scale")
         if cfg.use_short_conv:
@@ -323,6 +346,7 @@ class Engram(nn.Module):
             self.layer_id,
             lookup_impl=self.lookup_impl,
             dtype=self.dtype,
+            rows_UxC=rows_UxC,
         )
 
 

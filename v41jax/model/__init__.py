@@ -43,6 +43,7 @@ from v41jax.model.sampling import check_sampling_args, sample_logits, sampling_p
 from v41jax.model.speculative import SpeculativeOutput, speculative_generate
 from v41jax.model.transformer import (
     ENGRAM_IDS_PREFIX,
+    ENGRAM_ROWS_PREFIX,
     FFN_KINDS,
     Block,
     BlockInputs,
@@ -50,6 +51,7 @@ from v41jax.model.transformer import (
     Transformer,
     count_params,
     engram_ids_key,
+    engram_rows_key,
     ffn_kind_for_layer,
     init_params,
     make_ffn,
@@ -58,7 +60,9 @@ from v41jax.model.transformer import (
 __all__ = [
     "DecodeState",
     "ENGRAM_IDS_PREFIX",
+    "ENGRAM_ROWS_PREFIX",
     "engram_ids_key",
+    "engram_rows_key",
     "FFN_KINDS",
     "Attention",
     "Block",

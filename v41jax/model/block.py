@@ -44,12 +44,20 @@ from v41jax.model.remat import ATTN_OUT, FFN_OUT, tag
 RESIDUAL_AXES = ("batch", "length", "act_embed")
 STREAM_AXES = ("batch", "length", "act_streams", "act_embed")  # mHC state [B, T, n, C]
 ENGRAM_IDS_PREFIX = "engram_ids_"
+# Row-sparse training and host tables: the layer's rows read outside the model, [U, head_dim];
+# its `engram_ids_<layer>` then hold slots into them (v41jax.engram.table_optim.unique_rows).
+ENGRAM_ROWS_PREFIX = "engram_rows_"
 
 
 def engram_ids_key(layer: int) -> str:
     """Key in `extras` (and in training batches) of layer `layer`'s Engram hash ids
     int32 [B, T, (max_ngram_size - 1) * n_head_per_ngram]."""
     return f"{ENGRAM_IDS_PREFIX}{layer}"
+
+
+def engram_rows_key(layer: int) -> str:
+    """Extras key of layer `layer`'s pre-gathered Engram rows (`ENGRAM_ROWS_PREFIX`)."""
+    return f"{ENGRAM_ROWS_PREFIX}{layer}"
 
 
 class BlockInputs(NamedTuple):
@@ -197,7 +205,8 @@ class Block(nn.Module):
                 f"layer {self.layer_index} has an Engram module but extras has no {key!r} "
                 f"(hash ids [B, T, {self.cfg.engram.num_heads_total}]); got {sorted(inputs.extras)}"
             )
-        delta_BxTxD = self.engram(x_BxTxD, inputs.extras[key])
+        rows = inputs.extras.get(engram_rows_key(self.layer_index))
+        delta_BxTxD = self.engram(x_BxTxD, inputs.extras[key], rows)
         return nn.with_logical_constraint(
             x_BxTxD + delta_BxTxD.astype(x_BxTxD.dtype), RESIDUAL_AXES
         )

@@ -40,6 +40,7 @@ from v41jax.mhc.layer import NormScale, single_pass_init, single_pass_readout
 from v41jax.model.attention import AttentionLayout, KVCache
 from v41jax.model.block import (  # noqa: F401 (re-exported: the model's public names)
     ENGRAM_IDS_PREFIX,
+    ENGRAM_ROWS_PREFIX,
     FFN_KINDS,
     RESIDUAL_AXES,
     STREAM_AXES,
@@ -49,6 +50,7 @@ from v41jax.model.block import (  # noqa: F401 (re-exported: the model's public 
     _dtypes,
     block_readout,
     engram_ids_key,
+    engram_rows_key,
     ffn_kind_for_layer,
     make_ffn,
 )

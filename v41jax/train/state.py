@@ -20,6 +20,12 @@ from v41jax import sharding
 from v41jax.config import Config, OptimConfig, ParamGroup
 from v41jax.model import Transformer, engram_ids_key
 from v41jax.train.optimizer import make_optimizer, schedule_length
+from v41jax.train.sparse_tables import (
+    init_table_states,
+    split_tables,
+    table_state_shardings,
+    uses_sparse_tables,
+)
 
 
 @struct.dataclass
@@ -72,7 +78,21 @@ def make_state_fns(cfg: Config, mesh: Mesh):
     """
     model = build_model(cfg)
     boxed = jax.eval_shape(lambda: _init_params(model, cfg, jax.random.PRNGKey(0)))
-    optimizer = make_optimizer(optimizer_config(cfg), schedule_length(cfg), nn.unbox(boxed))
+    sparse = uses_sparse_tables(cfg)
+    if sparse:  # tables leave optax; the step clips all gradients itself (sparse_tables)
+        optim_cfg = dataclasses.replace(optimizer_config(cfg), grad_clip=0.0)
+        optimizer = make_optimizer(
+            optim_cfg, schedule_length(cfg), split_tables(nn.unbox(boxed))[0]
+        )
+    else:
+        optimizer = make_optimizer(optimizer_config(cfg), schedule_length(cfg), nn.unbox(boxed))
+
+    def init_opt_state(params):
+        if not sparse:
+            return optimizer.init(params)
+        rest, tables = split_tables(params)
+        kind = cfg.optim.table_optimizer
+        return {"dense": optimizer.init(rest), "tables": init_table_states(kind, tables)}
 
     def init_state(seed: jax.Array) -> TrainState:
         key = jax.random.PRNGKey(seed)
@@ -80,7 +100,7 @@ def make_state_fns(cfg: Config, mesh: Mesh):
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=optimizer.init(params),
+            opt_state=init_opt_state(params),
             rng=jax.random.fold_in(key, 1),
         )
 
@@ -88,16 +108,24 @@ def make_state_fns(cfg: Config, mesh: Mesh):
         lambda: TrainState(
             step=jnp.zeros((), jnp.int32),
             params=boxed,
-            opt_state=optimizer.init(nn.unbox(boxed)),
+            opt_state=init_opt_state(nn.unbox(boxed)),
             rng=jax.random.PRNGKey(0),
         )
     )
     param_shardings = sharding.tree_shardings(mesh, abstract_boxed_state.params)
     # Adam moments mirror the params' tree, so they take the params' shardings; everything
-    # else in the optimizer state (counts, schedules) is replicated.
-    opt_shardings = _opt_state_shardings(
-        abstract_boxed_state.opt_state, param_shardings, sharding.replicated(mesh)
-    )
+    # else in the optimizer state (counts, schedules) is replicated. Row-sparse table states
+    # take their table's row sharding.
+    if sparse:
+        opt = abstract_boxed_state.opt_state
+        opt_shardings = {
+            "dense": _opt_state_shardings(opt["dense"], param_shardings, sharding.replicated(mesh)),
+            "tables": table_state_shardings(opt["tables"], param_shardings),
+        }
+    else:
+        opt_shardings = _opt_state_shardings(
+            abstract_boxed_state.opt_state, param_shardings, sharding.replicated(mesh)
+        )
     state_shardings = TrainState(
         step=sharding.replicated(mesh),
         params=param_shardings,

@@ -20,10 +20,11 @@ from jax.sharding import Mesh
 from v41jax import sharding
 from v41jax.config import Config
 from v41jax.mhc import composite_gain
-from v41jax.model import ENGRAM_IDS_PREFIX, moe_metrics
+from v41jax.model import ENGRAM_IDS_PREFIX, ENGRAM_ROWS_PREFIX, moe_metrics
 from v41jax.model.layout import unscan_tree
 from v41jax.train.batches import batch_keys
 from v41jax.train.optimizer import lr_schedule, schedule_length
+from v41jax.train.sparse_tables import sparse_train_step, uses_sparse_tables
 from v41jax.train.state import TrainState
 
 
@@ -48,7 +49,8 @@ def _forward_loss(model, params, batch, z_loss):
     product across depth (`mhc_forward_gain` / `mhc_backward_gain`, worst token); with MoE
     the weighted aux loss joins the loss and `moe_aux_loss`, `moe_dropped_fraction`,
     `moe_max_load` the metrics."""
-    extras = {k: v for k, v in batch.items() if k.startswith(ENGRAM_IDS_PREFIX)}
+    prefixes = (ENGRAM_IDS_PREFIX, ENGRAM_ROWS_PREFIX)
+    extras = {k: v for k, v in batch.items() if k.startswith(prefixes)}
     out, state = model.apply(
         {"params": params},
         batch["inputs"],
@@ -101,6 +103,10 @@ def make_train_step(
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
+
+    if uses_sparse_tables(cfg):  # Engram tables updated at the rows the batch reads only
+        forward = lambda params, batch: _forward_loss(model, params, batch, z_loss)  # noqa: E731
+        train_step = sparse_train_step(cfg, forward, optimizer, schedule)
 
     batch_shardings = {k: sharding.batch_sharding(mesh) for k in batch_keys(cfg.model)}
     jitted = jax.jit(

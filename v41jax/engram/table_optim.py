@@ -1,0 +1,144 @@
+"""Row-sparse optimizers for Engram tables: each step touches only the rows the batch read.
+
+A table T [R, C] read at the unique rows u [U] of a batch gets the gradient g [U, C] of those
+rows (the rows of `T[u]`, summed over every position that read them); rows the batch did not
+read have no gradient and, here, no update and no state change. Per touched row r (lr = the
+step's learning rate, decoupled weight decay wd):
+
+    sparse_adam      k_r += 1                              (the row's own step count)
+                     m_r = b1 m_r + (1 - b1) g_r,   v_r = b2 v_r + (1 - b2) g_r^2
+                     T_r -= lr (m_r / (1 - b1^k_r)) / (sqrt(v_r / (1 - b2^k_r)) + eps)
+                            + lr wd T_r
+    rowwise_adagrad  a_r += mean_c g_rc^2                  (one accumulator per row)
+                     T_r -= lr g_r / (sqrt(a_r) + eps) + lr wd T_r
+
+`sparse_adam` is lazy Adam: a row's moments and bias correction advance only on the steps that
+read it, so each row follows exactly Adam run on its own sequence of gradients (the dense
+AdamW of the same table would also decay the moments of unread rows and move them). State:
+m, v [R, C] and k [R, 1] (2C + 1 values per row). `rowwise_adagrad` keeps one float per row
+(state 1/C of the table), the memory-light choice of large embedding systems; it equals dense
+row-wise Adagrad exactly, since an unread row's update there is zero too.
+
+Why not optax: optax transforms map a dense gradient tree to a dense update tree, so a table
+update is O(R C) per step whatever the batch read; these functions gather and scatter the U
+rows only (in place when the caller donates the state), O(U C) per step.
+
+Row ids u may hold the fill value R (padding of a fixed-size unique): those entries are
+dropped (never read, never written). The same functions run on numpy arrays (`xp=np`) for
+tables in host memory; both forms agree to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from v41jax.config.schema import TABLE_OPTIMIZERS
+
+SPARSE_TABLE_OPTIMIZERS = tuple(k for k in TABLE_OPTIMIZERS if k != "adam")
+
+
+def check_kind(kind: str) -> None:
+    if kind not in SPARSE_TABLE_OPTIMIZERS:
+        raise ValueError(
+            f"table optimizer {kind!r} is not row-sparse; choose one of {SPARSE_TABLE_OPTIMIZERS}"
+        )
+
+
+def init_state(kind: str, num_rows: int, row_dim: int, xp: Any = jnp) -> dict:
+    """Zero state of a [num_rows, row_dim] table (float32; the step count int32)."""
+    check_kind(kind)
+    if kind == "sparse_adam":
+        return {
+            "m": xp.zeros((num_rows, row_dim), xp.float32),
+            "v": xp.zeros((num_rows, row_dim), xp.float32),
+            "k": xp.zeros((num_rows, 1), xp.int32),
+        }
+    return {"acc": xp.zeros((num_rows, 1), xp.float32)}
+
+
+def state_bytes(kind: str, num_rows: int, row_dim: int) -> int:
+    """Bytes of the optimizer state of one [num_rows, row_dim] table (dense adam: 2 moments)."""
+    per_row = {"adam": 8 * row_dim, "sparse_adam": 8 * row_dim + 4, "rowwise_adagrad": 4}
+    if kind not in per_row:
+        raise ValueError(f"table optimizer {kind!r} not in {TABLE_OPTIMIZERS}")
+    return per_row[kind] * num_rows
+
+
+def _gather(x, rows_U, xp):
+    if xp is np:
+        return x[rows_U]
+    return x.at[rows_U].get(mode="fill", fill_value=0)
+
+
+def _scatter(x, rows_U, values, xp):
+    if xp is np:  # numpy: drop the padding ids, write in place
+        keep = rows_U < x.shape[0]
+        x[rows_U[keep]] = values[keep]
+        return x
+    return x.at[rows_U].set(values.astype(x.dtype), mode="drop")
+
+
+def sparse_update(
+    kind: str,
+    table_RxC,
+    state: dict,
+    rows_U,
+    grads_UxC,
+    lr,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    xp: Any = jnp,
+):
+    """(new table, new state) after one step at the unique rows `rows_U` (module doc).
+
+    rows_U: int [U], distinct except for the fill value R (ignored); grads_UxC: float [U, C].
+    With numpy (`xp=np`) the table and state are updated in place and returned.
+    """
+    check_kind(kind)
+    if xp is np:
+        rows_U = np.asarray(rows_U)
+        valid = rows_U < table_RxC.shape[0]
+        rows_U, grads_UxC = rows_U[valid], np.asarray(grads_UxC)[valid]
+    if grads_UxC.shape != (rows_U.shape[0], table_RxC.shape[1]):
+        raise ValueError(
+            f"sparse_update: grads shape {grads_UxC.shape} != (rows {rows_U.shape[0]}, "
+            f"table width {table_RxC.shape[1]})"
+        )
+    g = grads_UxC.astype(xp.float32)
+    t = _gather(table_RxC, rows_U, xp).astype(xp.float32)
+    if kind == "sparse_adam":
+        k = _gather(state["k"], rows_U, xp) + 1
+        m = b1 * _gather(state["m"], rows_U, xp) + (1 - b1) * g
+        v = b2 * _gather(state["v"], rows_U, xp) + (1 - b2) * g * g
+        kf = k.astype(xp.float32)
+        m_hat = m / (1 - xp.power(xp.float32(b1), kf))
+        v_hat = v / (1 - xp.power(xp.float32(b2), kf))
+        new_t = t - lr * (m_hat / (xp.sqrt(v_hat) + eps) + weight_decay * t)
+        state = {
+            "m": _scatter(state["m"], rows_U, m, xp),
+            "v": _scatter(state["v"], rows_U, v, xp),
+            "k": _scatter(state["k"], rows_U, k, xp),
+        }
+    else:
+        acc = _gather(state["acc"], rows_U, xp) + xp.mean(g * g, axis=-1, keepdims=True)
+        new_t = t - lr * (g / (xp.sqrt(acc) + eps) + weight_decay * t)
+        state = {"acc": _scatter(state["acc"], rows_U, acc, xp)}
+    return _scatter(table_RxC, rows_U, new_t, xp), state
+
+
+def unique_rows(ids, num_rows: int):
+    """(rows [N], slots shaped like ids): the distinct ids of `ids` (any shape, N = ids.size)
+    padded with the fill value `num_rows`, and each id's index into them (rows[slots] == ids).
+
+    A fixed size N keeps the shapes static under jit; a batch reading U < N distinct rows
+    leaves N - U fill entries, which `sparse_update` drops.
+    """
+    flat = jnp.ravel(ids).astype(jnp.int32)
+    rows, slots = jnp.unique(flat, size=flat.shape[0], fill_value=num_rows, return_inverse=True)
+    return rows.astype(jnp.int32), slots.reshape(jnp.shape(ids)).astype(jnp.int32)

@@ -1,0 +1,146 @@
+"""Row-sparse Engram table training inside the train step (`optim.table_optimizer`).
+
+With `sparse_adam` or `rowwise_adagrad` the tables stay in `state.params` (same checkpoint
+layout as dense training) but leave optax: the optimizer state is
+
+    {"dense": optax state of the other params, "tables": {table path: row-sparse state}}
+
+and a step, per Engram layer with flat row ids x [B, T, H]:
+
+    rows u, slots s = unique(x)           u [N] padded with R (N = B T H), u[s] = x
+    e = T[u]                              the rows the batch reads, [N, C]
+    loss(params without tables, e)        the model reads e[s] (`ENGRAM_ROWS_PREFIX` extras)
+    g_e = d loss / d e                    [N, C]: one gradient per distinct row
+    T, state <- sparse_update(T, state, u, g_e)        (`v41jax.engram.table_optim`)
+
+so no array of the table's size is read, written or differentiated except in place. The
+global-norm clip covers the other params' gradients and g_e together, as dense training's
+clip covers the dense table gradient (whose only non-zero rows are g_e).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from v41jax.config import Config
+from v41jax.engram import flat_row_ids, table_optim
+from v41jax.model import engram_ids_key, engram_rows_key
+
+TABLE_LEAF = ("engram", "table")
+
+
+def uses_sparse_tables(cfg: Config) -> bool:
+    return cfg.model.engram.enabled and cfg.optim.table_optimizer != "adam"
+
+
+def table_paths(params) -> dict[int, tuple]:
+    """{Engram layer index: path of its table in `params`} (paths end in engram/table)."""
+    out = {}
+    for path in traverse_util.flatten_dict(params):
+        if path[-2:] == TABLE_LEAF:
+            block = path[-3]  # Engram layers are never stacked: "block_<layer>"
+            out[int(str(block).rsplit("_", 1)[-1])] = path
+    return out
+
+
+def split_tables(params):
+    """(params without the tables, {path: table})."""
+    flat = traverse_util.flatten_dict(params)
+    tables = {p: v for p, v in flat.items() if p[-2:] == TABLE_LEAF}
+    rest = traverse_util.unflatten_dict({p: v for p, v in flat.items() if p not in tables})
+    return rest, tables
+
+
+def merge_tables(rest, tables: dict):
+    flat = traverse_util.flatten_dict(rest)
+    return traverse_util.unflatten_dict({**flat, **tables})
+
+
+def state_key(path: tuple) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def init_table_states(kind: str, tables: dict) -> dict:
+    return {state_key(p): table_optim.init_state(kind, *t.shape) for p, t in tables.items()}
+
+
+def table_state_shardings(table_states: dict, param_shardings) -> dict:
+    """Each table's state takes its table's (row) sharding: m, v [R, C]; k, acc [R, 1]."""
+    flat = traverse_util.flatten_dict(param_shardings)
+    by_key = {state_key(p): s for p, s in flat.items() if p[-2:] == TABLE_LEAF}
+    return {k: {name: by_key[k] for name in st} for k, st in table_states.items()}
+
+
+def gather_rows(cfg: Config, tables: dict, batch: dict):
+    """{layer: (rows u [N], slots [B, T, H], e [N, C])} for every Engram layer of `batch`."""
+    engram = cfg.model.engram
+    out = {}
+    for layer, path in table_paths(traverse_util.unflatten_dict(tables)).items():
+        table = tables[path]
+        ids = flat_row_ids(engram, layer, batch[engram_ids_key(layer)])
+        rows, slots = table_optim.unique_rows(ids, table.shape[0])
+        out[layer] = (rows, slots, table.at[rows].get(mode="fill", fill_value=0))
+    return out
+
+
+def with_rows(batch: dict, gathered: dict, rows_e: dict) -> dict:
+    """The batch as the model reads it: ids replaced by slots, plus the gathered rows."""
+    batch = dict(batch)
+    for layer, (_, slots, _) in gathered.items():
+        batch[engram_ids_key(layer)] = slots
+        batch[engram_rows_key(layer)] = rows_e[layer]
+    return batch
+
+
+def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule):
+    """train_step(state, batch) -> (state, metrics) for `uses_sparse_tables(cfg)` (module doc).
+
+    forward_loss(params, batch) -> (loss, metrics); optimizer: optax for the other params,
+    without clipping (applied here over all gradients); schedule: the base learning rate.
+    """
+    o, engram = cfg.optim, cfg.model.engram
+    kind = o.table_optimizer
+
+    def train_step(state, batch):
+        rest, tables = split_tables(state.params)
+        gathered = gather_rows(cfg, tables, batch)
+
+        def loss_fn(rest, rows_e):
+            return forward_loss(merge_tables(rest, tables), with_rows(batch, gathered, rows_e))
+
+        rows_e = {layer: e for layer, (_, _, e) in gathered.items()}
+        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+        (_, metrics), (g_rest, g_rows) = grad_fn(rest, rows_e)
+        grad_norm = optax.tree.norm((g_rest, g_rows))
+        if o.grad_clip > 0:  # optax.clip_by_global_norm's rule, over both parts
+            factor = jnp.where(grad_norm < o.grad_clip, 1.0, o.grad_clip / grad_norm)
+            g_rest, g_rows = jax.tree.map(lambda g: g * factor, (g_rest, g_rows))
+        updates, dense_state = optimizer.update(g_rest, state.opt_state["dense"], rest)
+        rest = optax.apply_updates(rest, updates)
+        lr = schedule(state.step) * engram.table_lr_scale
+        new_tables, table_states = dict(tables), dict(state.opt_state["tables"])
+        paths = table_paths(traverse_util.unflatten_dict(tables))
+        for layer, (rows, _, _) in gathered.items():
+            path = paths[layer]
+            new_tables[path], table_states[state_key(path)] = table_optim.sparse_update(
+                kind,
+                tables[path],
+                state.opt_state["tables"][state_key(path)],
+                rows,
+                g_rows[layer],
+                lr,
+                b1=o.b1,
+                b2=o.b2,
+                eps=o.eps,
+                weight_decay=engram.table_weight_decay,
+            )
+        opt_state = {"dense": dense_state, "tables": table_states}
+        new_state = state.replace(
+            step=state.step + 1, params=merge_tables(rest, new_tables), opt_state=opt_state
+        )
+        return new_state, dict(metrics, grad_norm=grad_norm, lr=schedule(state.step))
+
+    return train_step
