@@ -4,6 +4,18 @@ The config (`EngramConfig`) lives in the config layer, `v41jax.config.engram`.
 """
 
 from v41jax.config.engram import TABLE_DTYPES, EngramConfig, require_vocab, validate_engram
+from v41jax.engram.fp8 import (
+    FP8_BLOCK,
+    block_scales,
+    dequantize_block_rows,
+    dequantize_blocks,
+    export_fp8_blocks,
+    fake_quantize_blocks,
+    fp8_block_error_bound,
+    import_fp8_blocks,
+    quantize_blocks,
+    quantize_blocks_np,
+)
 from v41jax.engram.hashing import (
     layer_multipliers,
     ngram_hash_ids,
@@ -44,6 +56,16 @@ from v41jax.engram.primes import (
 from v41jax.engram.sharded import pad_table, sharded_lookup
 
 __all__ = [
+    "FP8_BLOCK",
+    "block_scales",
+    "dequantize_block_rows",
+    "dequantize_blocks",
+    "export_fp8_blocks",
+    "fake_quantize_blocks",
+    "fp8_block_error_bound",
+    "import_fp8_blocks",
+    "quantize_blocks",
+    "quantize_blocks_np",
     "TABLE_DTYPES",
     "Engram",
     "EngramConfig",
