@@ -118,3 +118,33 @@ def test_row_sharded_sparse_training_matches_one_device(tmp_path):
             tables = shardings.opt_state["tables"]
             assert all(s["m"].spec[0] for s in tables.values())  # state row-sharded
     np.testing.assert_allclose(losses["eight"], losses["one"], rtol=1e-5)
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (conftest)")
+def test_row_sharded_step_moves_no_table_sized_array():
+    """Compiled on 8 devices with the tables row-sharded, no collective of the sparse step
+    carries an array with the table's row count: each device gathers, differentiates and
+    updates the rows it owns (and their optimizer state) in place."""
+    import re
+
+    from v41jax import sharding
+    from v41jax.bench.table_bench import config_for, synthetic_batch
+    from v41jax.train.step import device_batch, make_train_step
+
+    cfg = config_lib.override(config_for(1e6, "sparse_adam"), ["mesh.data=2", "mesh.fsdp=4"])
+    mesh = make_mesh(cfg.mesh)
+    model, opt, _, shardings, abstract = make_state_fns(cfg, mesh)
+    step = make_train_step(cfg, mesh, model, opt, shardings)
+    batch = device_batch(mesh, synthetic_batch(cfg, 0))
+    with jax.set_mesh(mesh), sharding.axis_rules():
+        hlo = step.jitted.lower(abstract, batch).compile().as_text()
+    rows = abstract.params["block_1"]["engram"]["table"].shape[0]
+    collectives = [
+        line
+        for line in hlo.splitlines()
+        if re.search(r" (all-gather|all-reduce|all-to-all|reduce-scatter|collective-permute)\(",
+                     line)
+    ]  # fmt: skip
+    assert collectives  # the dense params' gradients are reduced
+    shard = rows // 8
+    assert not [c for c in collectives if re.search(rf"\[({rows}|{shard}),", c)], collectives
