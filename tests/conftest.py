@@ -7,7 +7,43 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+
+def _xla_cache_dir() -> tuple[str, bool]:
+    """(directory of the persistent XLA compilation cache, whether this process made it).
+
+    The same programs compile in several processes of a run: the tiny config's train step in
+    the train/CLI tests and in the `python -m v41jax` subprocesses they start, the xdist
+    workers' common helpers. A cache that they share compiles each once. It is set through
+    the environment (jax reads JAX_* variables as its config defaults), so that the xdist
+    workers, which the controller starts after importing this file, and every subprocess
+    inherit it. V41JAX_TEST_XLA_CACHE names a directory to keep across runs; by default the
+    controller makes a fresh one for the run and removes it at the end. The cache key holds
+    the program, the jax/jaxlib version and the XLA flags, so a kept cache stays valid."""
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # set by the caller, or inherited
+        return os.environ["JAX_COMPILATION_CACHE_DIR"], False
+    if os.environ.get("V41JAX_TEST_XLA_CACHE", "off") != "off":
+        return os.path.expanduser(os.environ["V41JAX_TEST_XLA_CACHE"]), False
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="v41jax-xla-cache-"), True
+
+
+_XLA_CACHE, _XLA_CACHE_OWNED = None, False
+if os.environ.get("V41JAX_TEST_XLA_CACHE") != "off":  # "off": no persistent cache
+    _XLA_CACHE, _XLA_CACHE_OWNED = _xla_cache_dir()
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    # Only programs whose compile takes a while are worth a disk round trip.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+    if _XLA_CACHE_OWNED and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
+
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -26,6 +62,17 @@ def accelerator_platform() -> str | None:
 
     backend = jax.default_backend()
     return backend if backend in ("gpu", "tpu") else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    """A kernel case marked slow is slow in the Pallas interpreter; its compiled twin (the
+    `interpret` fixture below) stays in the fast selection: skipped at no cost on a CPU, and
+    on an accelerator `scripts/device_check.sh` runs it (`-k compiled`, fast tests)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and callspec.params.get("interpret") == "compiled":
+            item.own_markers = [m for m in item.own_markers if m.name != "slow"]
 
 
 @pytest.fixture(params=["interpret", "compiled"])

@@ -29,6 +29,9 @@ from v41jax.kernels.engram_lookup.kernel import (
 ROWS = 1009
 # (E, H, leading dims of ids)
 SHAPES = [(24, 3, (37,)), (17, 6, (2, 19)), (32, 3, (37,))]
+# The power-of-two E (the only one the compiled Triton kernel takes) is slow when
+# interpreted: the two odd ones stay fast; its compiled twin stays fast (tests/conftest.py).
+SHAPE_PARAMS = [pytest.param(*s, marks=pytest.mark.slow if s[0] == 32 else ()) for s in SHAPES]
 XLA_IMPLS = ["xla", "reference"]
 KERNELS = ["pallas_tpu", "pallas_gpu"]
 NATIVE = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}
@@ -67,7 +70,7 @@ def _fp8(table):
     return (table * 50.0).astype(jnp.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("emb,heads,lead", SHAPES)
+@pytest.mark.parametrize("emb,heads,lead", SHAPE_PARAMS)
 def test_fp32_matches_reference_exactly(interpret, emb, heads, lead):
     table, ids, _ = _inputs(emb, heads, lead)
     want = engram_lookup_reference(table, ids)
@@ -79,7 +82,7 @@ def test_fp32_matches_reference_exactly(interpret, emb, heads, lead):
     np.testing.assert_array_equal(want[..., emb : 2 * emb], table[ids[..., 1]])
 
 
-@pytest.mark.parametrize("emb,heads,lead", SHAPES)
+@pytest.mark.parametrize("emb,heads,lead", SHAPE_PARAMS)
 def test_fp8_dequant_matches_reference_exactly(interpret, emb, heads, lead):
     table, ids, scale = _inputs(emb, heads, lead, seed=1)
     q = _fp8(table)

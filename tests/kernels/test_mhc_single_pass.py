@@ -82,8 +82,19 @@ def test_forward_matches_reference(impl, lead, n, c, with_phi, with_norm):
     _check_outputs(out, single_pass_step_reference(*args), lead, n, c, with_phi, tol)
 
 
-@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("with_phi,with_norm", [(True, True), (False, False)])
+# Without phi and norm every case is fast; with both, one case per kernel (odd tokens and
+# several C tiles on each) is, the rest are slow in the interpreter.
+FORWARD = [
+    pytest.param(
+        phi, norm, case, id=f"{phi}-{norm}-{cid}",
+        marks=[] if not phi or cid in ("tpu-37-n4-C384", "gpu-7-n3-C32") else pytest.mark.slow,
+    )
+    for phi, norm in [(True, True), (False, False)]
+    for case, cid in zip(CASES, CASE_IDS, strict=True)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("with_phi,with_norm,case", FORWARD)
 def test_pallas_forward_matches_reference(interpret, case, with_phi, with_norm):
     _, lead, n, c, _, _ = case
     x, y, h_res, h_post, a_pre, phi, g = _inputs(lead, n, c)
@@ -133,8 +144,15 @@ def _check_grads(fn, args):
         _close(a, b, dict(rtol=1e-4, atol=1e-4))
 
 
-@pytest.mark.parametrize("lead,n,c", SHAPES)
-@pytest.mark.parametrize("impl", ["xla", "auto"])
+@pytest.mark.parametrize(
+    "impl,lead,n,c",
+    [
+        pytest.param("xla", *SHAPES[0], id="xla-lead0-3-13"),
+        pytest.param("xla", *SHAPES[1], id="xla-lead1-4-16", marks=pytest.mark.slow),
+        pytest.param("auto", *SHAPES[0], id="auto-lead0-3-13", marks=pytest.mark.slow),
+        pytest.param("auto", *SHAPES[1], id="auto-lead1-4-16"),
+    ],
+)
 def test_gradients_match_reference(impl, lead, n, c):
     _check_grads(lambda *a: mhc_single_pass(*a, impl=impl), _inputs(lead, n, c, seed=2))
 
@@ -149,7 +167,14 @@ def test_auto_under_vmap_matches_xla():
         _close(a, b, dict(rtol=2e-5, atol=2e-5))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[5]], ids=[CASE_IDS[0], CASE_IDS[5]])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(CASES[0], id=CASE_IDS[0]),
+        pytest.param(CASES[3], id=CASE_IDS[3]),  # the GPU kernel, 2 C tiles: fast
+        pytest.param(CASES[5], id=CASE_IDS[5], marks=pytest.mark.slow),  # 3 x 3 blocks
+    ],
+)
 def test_pallas_gradients_match_reference(interpret, case):
     _, lead, n, c, _, _ = case
     _check_grads(_pallas(case, interpret), _inputs(lead, n, c, seed=2))
