@@ -190,8 +190,14 @@ DP_CASES = [
 
 @pytest.mark.parametrize(
     "b,t,s,h,g,kd,kind,dtype,block",
-    DP_CASES,
-    ids=[f"{c[6]}-T{c[1]}-G{c[4]}-{jnp.dtype(c[7]).name}" for c in DP_CASES],
+    [  # slow: segments, whose blockwise route is test_blockwise_*[segments-*]'s path
+        pytest.param(
+            *c,
+            id=f"{c[6]}-T{c[1]}-G{c[4]}-{jnp.dtype(c[7]).name}",
+            marks=pytest.mark.slow if c[6] == "segments" else (),
+        )
+        for c in DP_CASES
+    ],
 )
 def test_dot_product_matches_reference(b, t, s, h, g, kd, kind, dtype, block):
     q, k, v, layout, seen = make_case(b, t, s, h, g, kd, kind, dtype)
@@ -237,7 +243,9 @@ def test_splash_impl_routes_cache_layouts_to_blockwise():
     assert "pallas_call" not in jaxpr
 
 
-@pytest.mark.parametrize("kind", ["causal", "segments"])
+# Interpreted (CPU) both kinds are the blockwise path of test_jit_equals_eager_*: segments
+# is slow there; its compiled twin stays fast (tests/conftest.py).
+@pytest.mark.parametrize("kind", ["causal", pytest.param("segments", marks=pytest.mark.slow)])
 def test_auto_matches_reference_on_this_platform(interpret, kind):
     """impl="auto" on the platform the test runs on. Interpreted twin: CPU, so blockwise in
     f32. Compiled twin (GPU/TPU, `scripts/device_check.sh`): the platform's kernel in bf16,
