@@ -20,6 +20,7 @@ BENCHMARKS = {
     "verify": "v41jax.bench.verify_bench",
     "attention": "v41jax.bench.attention_bench",
     "compile": "v41jax.bench.compile_bench",
+    "table_file": "v41jax.bench.table_file_bench",
 }
 
 
