@@ -105,7 +105,8 @@ def test_segments_split_at_engram_moe_and_single_pass_layer_0():
     assert boxed["layers_4_5"]["attn"]["q"].names == ("layers", "embed", "heads", "head_dim")
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+# Slow: "plain" (one scanned run of dense layers; "mixed" has two such runs besides its blocks).
+@pytest.mark.parametrize("name", [pytest.param("plain", marks=pytest.mark.slow), "fused", "mixed"])
 def test_scanned_equals_unscanned_values_taps_and_grads(name):
     cfg = CONFIGS[name]
     flat, scanned = _params(name)
@@ -151,7 +152,17 @@ def test_cached_forward_writes_only_its_slots_of_the_stacked_cache():
         assert np.all(k[:, b, written] != 7.0)
 
 
-@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+# Fast: "save_qkv_proj" (a policy by checkpoint names; test_model_remat.py checks what it
+# saves); "full" keeps the values and grads in test_model_transformer.py, fast. The others
+# (each a compile of the remat gradient, minutes on a loaded 2-core machine) are slow.
+@pytest.mark.parametrize(
+    "policy",
+    [
+        pytest.param(p, marks=() if p == "save_qkv_proj" else pytest.mark.slow)
+        for p in REMAT_POLICIES
+        if p != "none"
+    ],
+)
 def test_every_remat_policy_gives_the_values_and_grads_of_none(policy):
     # mHC "fused": one scanned run (remat inside the scan body); the unscanned blocks'
     # remat is exercised by tests/mhc/test_mhc_forms.py (single_pass + Engram)

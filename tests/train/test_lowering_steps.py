@@ -227,14 +227,36 @@ def test_unscanned_train_step_calls_a_kernel_per_site():
     assert calls.get("mhc_single_pass") == 6 and calls.get("engram_lookup") == 1, calls
 
 
-@pytest.mark.parametrize("which", ["decode", "prefill"])
-@pytest.mark.parametrize("platform", PLATFORMS)
+# Each (platform, program) is a lowering of its own: decode for TPU and prefill for CUDA
+# stay fast, the other two are slow.
+DECODE_FAST = {("tpu", "decode"), ("cuda", "prefill")}
+
+
+def _decode_marks(platform: str, which: str):
+    return () if (platform, which) in DECODE_FAST else pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "platform,which",
+    [
+        pytest.param(p, w, id=f"{p}-{w}", marks=_decode_marks(p, w))
+        for w in ("decode", "prefill")
+        for p in PLATFORMS
+    ],
+)
 def test_decode_and_prefill_lower(platform, which):
     _decode_calls(platform, which)
 
 
-@pytest.mark.parametrize("which", ["decode", "prefill"])
-@pytest.mark.parametrize("platform,kernel", _cases({p: DECODE_KERNELS for p in PLATFORMS}))
+@pytest.mark.parametrize(
+    "platform,kernel,which",
+    [
+        pytest.param(p, k, w, id=f"{p}-{k}-{w}", marks=_decode_marks(p, w))
+        for w in ("decode", "prefill")
+        for p in PLATFORMS
+        for k in DECODE_KERNELS
+    ],
+)
 def test_decode_and_prefill_call_kernel(platform, kernel, which):
     _expect(_decode_calls(platform, which), kernel, f"{which} for {platform}")
 
