@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TABLE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
+TABLE_PLACEMENTS = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class EngramConfig:
         began there) instead of spanning packed documents.
     table_lr_scale, table_weight_decay: the tables' optimizer group (paper: Adam at 5x LR,
         no weight decay).
+    table_placement: "device" (a param of the model) or "host" (numpy arrays in host memory:
+        the input pipeline gathers each batch's rows, the device step returns their
+        gradients, the host applies the row-sparse update; needs a sparse
+        optim.table_optimizer). The table and its optimizer state never become device arrays.
     table_row_align: a layer's table stores its sum-of-primes rows rounded up to a multiple of
         this, so it row-shards evenly over any power-of-two shard count up to it; the padding
         rows are never addressed (and so never trained).
@@ -53,6 +58,7 @@ class EngramConfig:
     table_lr_scale: float = 5.0
     table_weight_decay: float = 0.0
     table_row_align: int = 128
+    table_placement: str = "device"
 
     def __post_init__(self):
         validate_engram(self)
@@ -104,6 +110,10 @@ def validate_engram(cfg: EngramConfig) -> None:
     require(len(set(cfg.layer_ids)) == len(cfg.layer_ids), f"layer_ids={cfg.layer_ids} repeat")
     require(all(i >= 0 for i in cfg.layer_ids), f"layer_ids={cfg.layer_ids} must be >= 0")
     require(cfg.table_row_align >= 1, f"table_row_align={cfg.table_row_align} must be >= 1")
+    require(
+        cfg.table_placement in TABLE_PLACEMENTS,
+        f"table_placement={cfg.table_placement!r} not in {TABLE_PLACEMENTS}",
+    )
     require(cfg.kernel_size >= 1, f"kernel_size={cfg.kernel_size} must be >= 1")
     require(
         cfg.table_dtype in TABLE_DTYPES, f"table_dtype={cfg.table_dtype!r} not in {TABLE_DTYPES}"

@@ -247,6 +247,11 @@ def validate(cfg: Config) -> None:
         o.table_optimizer in TABLE_OPTIMIZERS,
         f"optim.table_optimizer={o.table_optimizer!r} not in {TABLE_OPTIMIZERS}",
     )
+    _require(
+        m.engram.table_placement == "device" or o.table_optimizer != "adam",
+        f"model.engram.table_placement={m.engram.table_placement!r} needs a row-sparse "
+        f"optim.table_optimizer (sparse_adam or rowwise_adagrad), not {o.table_optimizer!r}",
+    )
     _require(o.schedule_steps >= 0, f"optim.schedule_steps={o.schedule_steps} must be >= 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio} not in [0, 1]")

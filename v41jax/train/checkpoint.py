@@ -38,6 +38,8 @@ class Checkpointer:
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
                 "data": ocp.JsonCheckpointHandler(),
+                # Engram tables in host memory (numpy) and their optimizer states
+                "host_tables": ocp.StandardCheckpointHandler(),
             },
         )
 
@@ -47,16 +49,14 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, state: Any, data_state: dict) -> None:
+    def save(self, step: int, state: Any, data_state: dict, host_tables: Any = None) -> None:
+        """host_tables: numpy tree (`HostTables.state_dict()`) saved in the same step."""
         if step in self.manager.all_steps():
             return
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
-            ),
-            force=True,
-        )
+        items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state)}
+        if host_tables is not None:
+            items["host_tables"] = ocp.args.StandardSave(host_tables)
+        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         self.manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -94,6 +94,13 @@ class Checkpointer:
             return None
         tree = getattr(meta, "tree", meta)
         return tree.get("params") if isinstance(tree, dict) else getattr(tree, "params", None)
+
+    def restore_host_tables(self, step: int, like: Any) -> Any:
+        """The numpy tree `save(..., host_tables=)` wrote at `step`, shaped like `like`."""
+        restored = self.manager.restore(
+            step, args=ocp.args.Composite(host_tables=ocp.args.StandardRestore(like))
+        )
+        return restored["host_tables"]
 
     def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         restored = self.manager.restore(

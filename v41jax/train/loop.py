@@ -42,6 +42,7 @@ from v41jax.model import convert_layout, layer_segments
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
+from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
 from v41jax.train.metrics import MetricsWriter
 from v41jax.train.resume import (
     COMPUTE_ONLY_MODEL_FIELDS,
@@ -49,6 +50,7 @@ from v41jax.train.resume import (
     reconcile,
     saved_config,
 )
+from v41jax.train.sparse_tables import merge_tables, split_tables
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
 
@@ -226,11 +228,15 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         jax.process_index(),
         jax.process_count(),
     )
-    start = checkpointer.latest_step()
+    start, host, source_tables = checkpointer.latest_step(), None, None
     if start is None:
         start, state = 0, init_fn(cfg.train.seed)
         if source is not None:  # fine-tuning: another run's params, a fresh optimizer
             params = convert_layout(source.params, layer_segments(cfg.model))
+            if uses_host_tables(cfg):  # the source's tables go to host memory
+                params, flat = split_tables(params)
+                source_tables = {int(str(p[-3]).rsplit("_", 1)[-1]): np.asarray(t)
+                                 for p, t in flat.items()}  # fmt: skip
             state = state.replace(params=jax.device_put(params, shardings.params))
     else:
         state, extra = checkpointer.restore(start, abstract)
@@ -245,12 +251,22 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     train_step = make_train_step(cfg, mesh, model, optimizer, shardings)
     eval_step = make_eval_step(cfg, mesh, model, shardings.params)
     prepare = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)
+    if uses_host_tables(cfg):  # rows gathered with the batch, in the prefetch thread
+        host = start_host_tables(cfg, checkpointer, start, source_tables)
+        prepare = lambda b, add=prepare: host.gather(add(b))  # noqa: E731
+        step_fn = functools.partial(host_step, train_step, host, cfg, mesh)
+    else:
+        step_fn = lambda state, b: train_step(state, device_batch(mesh, b))  # noqa: E731
     batches = PrefetchingBatches(iterator, prepare)
     writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
     def save(step: int) -> None:
-        checkpointer.save(step, state, {"iterator": iterator.state()})
+        tables = host.state_dict() if host else None
+        checkpointer.save(step, state, {"iterator": iterator.state()}, tables)
+
+    def validation() -> list[dict]:  # host tables: the rows as they are now
+        return [host.patch(host.gather(b))[0] for b in val] if host else val
 
     result: dict = {}
     steps = cfg.train.steps
@@ -262,7 +278,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         ) as bar,
     ):
         for step in range(start + 1, steps + 1):
-            state, metrics = train_step(state, device_batch(mesh, next(batches)))
+            state, metrics = step_fn(state, next(batches))
             if step % cfg.train.log_every == 0 or step == steps:
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if not np.isfinite(metrics["loss"]):
@@ -278,7 +294,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
             if step % cfg.train.checkpoint_every == 0 or step == steps:
                 save(step)
             if step == steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-                result = {"step": step, **evaluate(eval_step, mesh, state.params, val)}
+                result = {"step": step, **evaluate(eval_step, mesh, state.params, validation())}
                 writer.write(result)
                 bar.write(f"step {step}: val_loss {result['val_loss']:.4f}")
             bar.update(1)
@@ -288,7 +304,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                 result = {"step": step, "stopped": True}
                 break
     if start == steps:  # nothing left to train: report the saved model
-        result = {"step": steps, **evaluate(eval_step, mesh, state.params, val)}
+        result = {"step": steps, **evaluate(eval_step, mesh, state.params, validation())}
     if main and not result.get("stopped"):
         with open(os.path.join(workdir, "eval.json"), "w") as f:
             json.dump(result, f, indent=2)
@@ -334,8 +350,16 @@ def load_run(workdir: str, step: int | None = None) -> LoadedRun:
             else f"no checkpoints in {checkpointer.directory}: train the run first"
         )
     state, _ = checkpointer.restore(step, abstract)
+    params = state.params
+    if uses_host_tables(cfg):  # evaluation and decoding read the tables as params
+        host = start_host_tables(cfg, checkpointer, step)
+        tables = {(f"block_{layer}", "engram", "table"): t for layer, t in host.tables.items()}
+        params = merge_tables(params, tables)
+        engram = dataclasses.replace(cfg.model.engram, table_placement="device")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
+        model, _, _, shardings, _ = make_state_fns(cfg, mesh)
     checkpointer.close()
-    return LoadedRun(cfg, tokenizer, compression, state.params, step, mesh, model, shardings.params)
+    return LoadedRun(cfg, tokenizer, compression, params, step, mesh, model, shardings.params)
 
 
 def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = False) -> dict:

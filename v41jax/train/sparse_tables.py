@@ -95,6 +95,52 @@ def with_rows(batch: dict, gathered: dict, rows_e: dict) -> dict:
     return batch
 
 
+def _grads_and_dense_update(cfg, forward_loss, optimizer, state, rest, tables, batch, rows_e):
+    """Loss gradients of the other params and of the gathered rows, clipped together
+    (optax.clip_by_global_norm's rule), and the optax update of the other params."""
+    o = cfg.optim
+
+    def loss_fn(rest, rows_e):
+        batch_e = dict(batch)
+        for layer, e in rows_e.items():
+            batch_e[engram_rows_key(layer)] = e
+        return forward_loss(merge_tables(rest, tables), batch_e)
+
+    grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
+    (_, metrics), (g_rest, g_rows) = grad_fn(rest, rows_e)
+    grad_norm = optax.tree.norm((g_rest, g_rows))
+    if o.grad_clip > 0:
+        factor = jnp.where(grad_norm < o.grad_clip, 1.0, o.grad_clip / grad_norm)
+        g_rest, g_rows = jax.tree.map(lambda g: g * factor, (g_rest, g_rows))
+    updates, dense_state = optimizer.update(g_rest, state.opt_state["dense"], rest)
+    return (
+        optax.apply_updates(rest, updates),
+        dense_state,
+        g_rows,
+        dict(metrics, grad_norm=grad_norm),
+    )
+
+
+def host_train_step(cfg: Config, forward_loss, optimizer, schedule):
+    """train_step(state, batch) -> (state, metrics, {layer: row gradients [N, C]}) for host
+    tables: the batch carries each layer's rows and slots (`HostTables.gather`), the params
+    no tables, and the host applies the returned gradients (`HostTables.apply`)."""
+
+    def train_step(state, batch):
+        rows_e = {layer: batch[engram_rows_key(layer)] for layer in cfg.model.engram.layer_ids}
+        rest, dense_state, g_rows, metrics = _grads_and_dense_update(
+            cfg, forward_loss, optimizer, state, state.params, {}, batch, rows_e
+        )
+        new_state = state.replace(
+            step=state.step + 1,
+            params=rest,
+            opt_state={"dense": dense_state, "tables": state.opt_state["tables"]},
+        )
+        return new_state, dict(metrics, lr=schedule(state.step)), g_rows
+
+    return train_step
+
+
 def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule):
     """train_step(state, batch) -> (state, metrics) for `uses_sparse_tables(cfg)` (module doc).
 
@@ -107,19 +153,11 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule):
     def train_step(state, batch):
         rest, tables = split_tables(state.params)
         gathered = gather_rows(cfg, tables, batch)
-
-        def loss_fn(rest, rows_e):
-            return forward_loss(merge_tables(rest, tables), with_rows(batch, gathered, rows_e))
-
         rows_e = {layer: e for layer, (_, _, e) in gathered.items()}
-        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
-        (_, metrics), (g_rest, g_rows) = grad_fn(rest, rows_e)
-        grad_norm = optax.tree.norm((g_rest, g_rows))
-        if o.grad_clip > 0:  # optax.clip_by_global_norm's rule, over both parts
-            factor = jnp.where(grad_norm < o.grad_clip, 1.0, o.grad_clip / grad_norm)
-            g_rest, g_rows = jax.tree.map(lambda g: g * factor, (g_rest, g_rows))
-        updates, dense_state = optimizer.update(g_rest, state.opt_state["dense"], rest)
-        rest = optax.apply_updates(rest, updates)
+        rest, dense_state, g_rows, metrics = _grads_and_dense_update(
+            cfg, forward_loss, optimizer, state, rest, tables,
+            with_rows(batch, gathered, rows_e), rows_e,
+        )  # fmt: skip
         lr = schedule(state.step) * engram.table_lr_scale
         new_tables, table_states = dict(tables), dict(state.opt_state["tables"])
         paths = table_paths(traverse_util.unflatten_dict(tables))
@@ -141,6 +179,6 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule):
         new_state = state.replace(
             step=state.step + 1, params=merge_tables(rest, new_tables), opt_state=opt_state
         )
-        return new_state, dict(metrics, grad_norm=grad_norm, lr=schedule(state.step))
+        return new_state, dict(metrics, lr=schedule(state.step))
 
     return train_step

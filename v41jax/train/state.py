@@ -70,6 +70,22 @@ def _init_params(model: nn.Module, cfg: Config, rng: jax.Array):
     return model.init(rng, tokens, extras=extras)["params"]
 
 
+def init_host_tables(cfg: Config, seed: int) -> dict:
+    """{Engram layer: table [R, C] numpy} as `init_fn(seed)` would make them on device,
+    computed on the host CPU (`model.engram.table_placement = "host"`)."""
+    import numpy as np
+
+    model = build_model(cfg)
+
+    def tables():
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), 0)
+        flat = split_tables(nn.unbox(_init_params(model, cfg, key)))[1]
+        return {int(str(p[-3]).rsplit("_", 1)[-1]): t for p, t in flat.items()}
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        return {k: np.array(v) for k, v in jax.jit(tables)().items()}
+
+
 def make_state_fns(cfg: Config, mesh: Mesh):
     """Returns (model, optimizer, init_fn, state_shardings, abstract_state).
 
@@ -78,7 +94,9 @@ def make_state_fns(cfg: Config, mesh: Mesh):
     """
     model = build_model(cfg)
     boxed = jax.eval_shape(lambda: _init_params(model, cfg, jax.random.PRNGKey(0)))
-    sparse = uses_sparse_tables(cfg)
+    sparse, host = uses_sparse_tables(cfg), cfg.model.engram.table_placement == "host"
+    if host:  # the tables live in host memory (v41jax.train.host_tables), not in the state
+        boxed = split_tables(boxed)[0]
     if sparse:  # tables leave optax; the step clips all gradients itself (sparse_tables)
         optim_cfg = dataclasses.replace(optimizer_config(cfg), grad_clip=0.0)
         optimizer = make_optimizer(
@@ -97,6 +115,8 @@ def make_state_fns(cfg: Config, mesh: Mesh):
     def init_state(seed: jax.Array) -> TrainState:
         key = jax.random.PRNGKey(seed)
         params = nn.unbox(_init_params(model, cfg, jax.random.fold_in(key, 0)))
+        if host:  # dropped here, so the compiled init never builds them
+            params = split_tables(params)[0]
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,

@@ -20,11 +20,12 @@ from jax.sharding import Mesh
 from v41jax import sharding
 from v41jax.config import Config
 from v41jax.mhc import composite_gain
-from v41jax.model import ENGRAM_IDS_PREFIX, ENGRAM_ROWS_PREFIX, moe_metrics
+from v41jax.model import ENGRAM_IDS_PREFIX, ENGRAM_ROWS_PREFIX, engram_rows_key, moe_metrics
 from v41jax.model.layout import unscan_tree
 from v41jax.train.batches import batch_keys
+from v41jax.train.host_tables import uses_host_tables
 from v41jax.train.optimizer import lr_schedule, schedule_length
-from v41jax.train.sparse_tables import sparse_train_step, uses_sparse_tables
+from v41jax.train.sparse_tables import host_train_step, sparse_train_step, uses_sparse_tables
 from v41jax.train.state import TrainState
 
 
@@ -104,15 +105,18 @@ def make_train_step(
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
-    if uses_sparse_tables(cfg):  # Engram tables updated at the rows the batch reads only
-        forward = lambda params, batch: _forward_loss(model, params, batch, z_loss)  # noqa: E731
+    forward = lambda params, batch: _forward_loss(model, params, batch, z_loss)  # noqa: E731
+    out_shardings = (state_shardings, sharding.replicated(mesh))
+    if uses_host_tables(cfg):  # rows in, row gradients out: the host updates its tables
+        train_step = host_train_step(cfg, forward, optimizer, schedule)
+        out_shardings = (*out_shardings, sharding.replicated(mesh))
+    elif uses_sparse_tables(cfg):  # Engram tables updated at the rows the batch reads only
         train_step = sparse_train_step(cfg, forward, optimizer, schedule)
 
-    batch_shardings = {k: sharding.batch_sharding(mesh) for k in batch_keys(cfg.model)}
     jitted = jax.jit(
         train_step,
-        in_shardings=(state_shardings, batch_shardings),
-        out_shardings=(state_shardings, sharding.replicated(mesh)),
+        in_shardings=(state_shardings, _batch_shardings(cfg, mesh)),
+        out_shardings=out_shardings,
         donate_argnums=(0,),
     )
     return _with_mesh(mesh, jitted)
@@ -125,13 +129,21 @@ def make_eval_step(cfg: Config, mesh: Mesh, model, param_shardings) -> Callable:
         _, metrics = _forward_loss(model, params, batch, 0.0)
         return {"loss_sum": metrics["ce"] * metrics["tokens"], "tokens": metrics["tokens"]}
 
-    batch_shardings = {k: sharding.batch_sharding(mesh) for k in batch_keys(cfg.model)}
     jitted = jax.jit(
         eval_step,
-        in_shardings=(param_shardings, batch_shardings),
+        in_shardings=(param_shardings, _batch_shardings(cfg, mesh)),
         out_shardings=sharding.replicated(mesh),
     )
     return _with_mesh(mesh, jitted)
+
+
+def _batch_shardings(cfg: Config, mesh: Mesh) -> dict:
+    """Batch entries split over (data, fsdp); host tables' gathered rows are replicated."""
+    out = {k: sharding.batch_sharding(mesh) for k in batch_keys(cfg.model)}
+    if uses_host_tables(cfg):
+        out |= {engram_rows_key(layer): sharding.replicated(mesh)
+                for layer in cfg.model.engram.layer_ids}  # fmt: skip
+    return out
 
 
 def _with_mesh(mesh: Mesh, fn: Callable) -> Callable:
@@ -148,7 +160,10 @@ def _with_mesh(mesh: Mesh, fn: Callable) -> Callable:
 
 def device_batch(mesh: Mesh, local_batch: dict) -> dict:
     """Per-process numpy batch -> global jax.Arrays sharded over (data, fsdp)."""
-    batch_sharding = sharding.batch_sharding(mesh)
+    batch_sharding, replicated = sharding.batch_sharding(mesh), sharding.replicated(mesh)
     return {
-        k: jax.make_array_from_process_local_data(batch_sharding, v) for k, v in local_batch.items()
+        k: jax.make_array_from_process_local_data(
+            replicated if k.startswith(ENGRAM_ROWS_PREFIX) else batch_sharding, v
+        )
+        for k, v in local_batch.items()
     }
