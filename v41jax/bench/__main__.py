@@ -21,6 +21,7 @@ BENCHMARKS = {
     "attention": "v41jax.bench.attention_bench",
     "compile": "v41jax.bench.compile_bench",
     "table_file": "v41jax.bench.table_file_bench",
+    "tables": "v41jax.bench.table_bench",
 }
 
 
