@@ -6,6 +6,11 @@
 # Tests run in one worker process per core (pytest-xdist; whole files per worker, so a file's
 # cached models compile once): test time is mostly single-threaded XLA compilation.
 # V41JAX_TEST_WORKERS=1 runs them in one process.
+# The workers and the subprocesses they start share a persistent XLA compilation cache, a
+# fresh directory per run (tests/conftest.py); V41JAX_TEST_XLA_CACHE=DIR keeps one across
+# runs (later runs skip most compiles), V41JAX_TEST_XLA_CACHE=off turns it off.
+# A kernel case marked slow is slow in the Pallas interpreter: its compiled twin stays in
+# the fast selection, which is what the device check runs.
 # pytest exits 5 when no test ran; that (like any failure) fails this script and CI.
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 marker="not slow"

@@ -35,6 +35,8 @@ if os.environ.get("V41JAX_TEST_XLA_CACHE") != "off":  # "off": no persistent cac
     # Only programs whose compile takes a while are worth a disk round trip.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # A kept directory is trimmed (least recently used first) past 4 GiB.
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import pytest  # noqa: E402
 
