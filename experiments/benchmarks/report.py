@@ -187,6 +187,34 @@ def compile_table(d: dict) -> str:
     return _md([*header, "StableHLO chars", "HLO chars", "HLO vs 4 layers"], rows)
 
 
+def table_file_table(d: dict) -> str:
+    def opt(x, fmt):
+        return "" if x is None else format(x, fmt)
+
+    rows = [
+        [f"{r['table_gib']:g}", r["path"], r["dist"], r["threads"], sig(r["ms_per_step"])]
+        + [f"{r['rows_per_s']:,.0f}", f"{r['tokens_per_s']:,.0f}", opt(r.get("id_hit_rate"), ".3f")]
+        + [opt(r.get("majflt_per_step"), ",.0f"), opt(r.get("minflt_per_step"), ",.0f")]
+        + [opt(r.get("ideal_row_cache_hit_rate"), ".3f")]
+        for r in d["rows"]
+    ]
+    header = ["table GiB", "path", "ids", "threads", "ms/step", "rows/s", "tokens/s"]
+    header += ["id hit rate", "majflt/step", "minflt/step", "ideal row cache"]
+    return _md(header, rows)
+
+
+def tables_table(d: dict) -> str:
+    rows = [
+        [r["optimizer"], f"{r['table_params']:.2e}", sig(r["table_MiB"]), sig(r["opt_state_MiB"])]
+        + [f"{1e3 * r['s_per_step']:.1f}", f"{r['vs_smallest']:.2f}"]
+        for r in d["rows"]
+    ]
+    header = ["table optimizer", "table params", "table MiB", "optimizer state MiB"]
+    out = _md([*header, "ms/step", "vs smallest table"], rows)
+    skipped = [f"{s['optimizer']} at {s['size']:.0e}" for s in d.get("skipped", [])]
+    return out + (f"\n\nnot run (memory or --dense-max): {', '.join(skipped)}" if skipped else "")
+
+
 SECTIONS = (
     ("train", "Training throughput", train_table),
     ("engram", "Engram vs an equal-parameter dense FFN", engram_table),
@@ -195,6 +223,8 @@ SECTIONS = (
     ("mhc", "mHC residual path", mhc_tables),
     ("attention", "Attention implementations", attention_tables),
     ("compile", "Compile time vs depth", compile_table),
+    ("table_file", "Engram tables in a file", table_file_table),
+    ("tables", "Train step vs Engram table size", tables_table),
 )
 
 

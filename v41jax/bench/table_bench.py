@@ -37,7 +37,7 @@ HEAD_DIM, HEADS_PER_ORDER, ORDERS = 16, 4, 2  # 8 tables of 16-wide rows per lay
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--sizes", default="1e6,1e7,1e8,1e9", help="table parameters, comma list")
+    p.add_argument("--sizes", default="1e6,1e7,1e8,5e8,1e9", help="table params, comma list")
     p.add_argument("--optimizers", default=",".join(table_optim.TABLE_OPTIMIZERS))
     p.add_argument("--dense-max", type=float, default=1e8, help="largest size for adam")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row")
@@ -131,8 +131,10 @@ def run(args) -> int:
     for kind in kinds:
         base = None
         for size in sizes:
-            need = size * 4 + table_optim.state_bytes(kind, int(size / HEAD_DIM), HEAD_DIM)
-            need *= 2 if kind == "adam" else 1  # the dense gradient and update
+            # table + state, + the init's random bits beside the table; dense Adam also holds
+            # a table-sized gradient and update
+            need = 2 * size * 4 + table_optim.state_bytes(kind, int(size / HEAD_DIM), HEAD_DIM)
+            need += 2 * size * 4 if kind == "adam" else 0
             if (kind == "adam" and size > args.dense_max) or need > args.memory_fraction * ram:
                 skipped.append({"optimizer": kind, "size": size, "bytes_needed": need})
                 continue
