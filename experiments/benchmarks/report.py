@@ -225,6 +225,7 @@ SECTIONS = (
     ("compile", "Compile time vs depth", compile_table),
     ("table_file", "Engram tables in a file", table_file_table),
     ("tables", "Train step vs Engram table size", tables_table),
+    ("tables_rowwise_1e9", "Train step, 1e6 vs 1e9 table, rowwise_adagrad", tables_table),
 )
 
 
