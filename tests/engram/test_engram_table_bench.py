@@ -3,9 +3,12 @@ optimizer-state bytes of each optimizer, and skips sizes that would not fit in m
 
 import json
 
+import pytest
+
 from v41jax.bench.table_bench import main
 
 
+@pytest.mark.slow  # four compiled train steps; the optimizers themselves are tested fast
 def test_table_bench_rows_state_bytes_and_skips(tmp_path):
     path = tmp_path / "tables.json"
     argv = ["--sizes", "1e5,1e13", "--optimizers", "adam,rowwise_adagrad", "--steps", "1"]

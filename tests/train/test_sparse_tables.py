@@ -104,6 +104,7 @@ def test_unread_rows_unchanged_and_resume_exact(kind, tmp_path):
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow  # two trainings; the compiled 8-device step's collectives are checked fast
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (conftest)")
 def test_row_sharded_sparse_training_matches_one_device(tmp_path):
     losses = {}
