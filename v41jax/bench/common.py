@@ -6,6 +6,7 @@ Benchmarks report medians of repeated, synchronised (`block_until_ready`) calls 
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -57,3 +58,14 @@ def write_json(path: str | None, payload: dict) -> None:
         with open(path, "w") as f:
             json.dump(payload, f, indent=2)
         print(f"wrote {path}")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1, else an error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from v41jax.bench.common import format_table, machine_info, time_call, write_json
+from v41jax.bench.common import format_table, machine_info, positive_int, time_call, write_json
 from v41jax.engram import (
     EngramConfig,
     dense_param_count,
@@ -42,17 +42,6 @@ from v41jax.engram import (
 from v41jax.engram.host_table import FP8_NUMPY, HostTable
 from v41jax.kernels.engram_lookup.api import engram_lookup
 from v41jax.model.layers import swiglu
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1, else an error naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def token_shape(tokens: int, length: int = 512) -> tuple[int, int]:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from v41jax.bench.common import format_table, machine_info, time_call, write_json
+from v41jax.bench.common import format_table, machine_info, positive_int, time_call, write_json
 from v41jax.kernels.mhc_single_pass import mhc_single_pass
 from v41jax.kernels.mhc_single_pass.kernel import block_specs
 from v41jax.kernels.mhc_single_pass.plan import TARGETS, block_traffic, make_plan
@@ -41,17 +41,6 @@ from v41jax.mhc.single_pass import stream_stats
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 VARIANTS = ("plain", "naive", "fused", "single_pass")
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (T = 0 would divide by zero), else an error naming it."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
