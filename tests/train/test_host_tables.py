@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from v41jax import config as config_lib
-from v41jax.model import engram_rows_key
+from v41jax.engram.host_rows import HostRows
+from v41jax.model import engram_rows_key, generate
 from v41jax.sharding import make_mesh
-from v41jax.train import load_run, train
+from v41jax.train import evaluate_run, load_run, train
 from v41jax.train.host_tables import HostTables
 from v41jax.train.state import make_state_fns
 
@@ -77,9 +78,21 @@ def test_host_run_equals_device_run_and_survives_sigkill(tmp_path):
     assert len(a) == len(b) == 50
     np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
     assert a[-1] < a[0] - 0.5  # and it trained
-    # the run's tables and the checkpoint read back as params (eval, generate)
-    run = load_run(host)
-    assert run.params["block_3"]["engram"]["table"].shape[1] == 16
+    # the run reads back with its tables still in host memory (eval, generate), or on device
+    run, on_device = load_run(host), load_run(host, tables="device")
+    ref = run.params["block_3"]["engram"]["table"]
+    assert isinstance(ref, HostRows) and ref.shape[1] == 16
+    table = on_device.params["block_3"]["engram"]["table"]
+    np.testing.assert_array_equal(np.asarray(table), ref.source.table)
+    prompts, lengths = np.array([[1, 5, 9, 2]], np.int32), np.array([4], np.int32)
+    outs = [
+        np.asarray(generate(r.params, r.cfg.model, prompts, lengths, max_new_tokens=6,
+                            compression=r.compression.table))
+        for r in (run, on_device)
+    ]  # fmt: skip
+    np.testing.assert_array_equal(*outs)
+    ev_host, ev_device = evaluate_run(host, 2), evaluate_run(device, 2)
+    assert abs(ev_host["val_loss"] - ev_device["val_loss"]) < 1e-4
 
 
 def test_a_prefetched_batch_is_patched_after_updates():

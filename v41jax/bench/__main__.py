@@ -6,6 +6,9 @@ mhc     residual-path bytes/token and time: plain, naive, fused, single-pass mHC
 verify  speculative verification time vs the read-once bound of the probabilities
 attention  attention implementations: time, compiled memory of the train step vs length
 compile    train-step compile time and program size vs depth (scanned vs unrolled layers)
+table_file  memory-mapped Engram table gathers: rows/s and page-cache hits vs table size
+tables     train-step time vs Engram table size per table optimizer
+host_decode  decode tokens/s with Engram tables on device, in host memory, in a file
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ BENCHMARKS = {
     "compile": "v41jax.bench.compile_bench",
     "table_file": "v41jax.bench.table_file_bench",
     "tables": "v41jax.bench.table_bench",
+    "host_decode": "v41jax.bench.host_decode_bench",
 }
 
 

@@ -37,6 +37,7 @@ from flax import linen as nn
 from v41jax import sharding
 from v41jax.engram import fp8
 from v41jax.engram.config import EngramConfig
+from v41jax.engram.host_rows import HostRows
 from v41jax.engram.primes import head_offsets, stored_table_rows, table_rows
 from v41jax.engram.sharded import ENGRAM_ROW_AXIS, sharded_lookup
 from v41jax.kernels.engram_lookup.api import engram_lookup
@@ -160,14 +161,18 @@ def gather_memory(
     """e = concat of the H addressed rows, float32 [B, T, E].
 
     An fp8 `table` is dequantised with `table_scale` on gather; an fp32 master table with
-    cfg.table_dtype == "float8_e4m3fn" has its gathered rows fake-quantised per row.
+    cfg.table_dtype == "float8_e4m3fn" has its gathered rows fake-quantised per row. A
+    `HostRows` table is read on the host (`HostRows.lookup`), never copied to the device.
     """
     table = params["table"]
-    if table.dtype == jnp.float8_e4m3fn:
+    if isinstance(table, HostRows):  # read on the host by a callback (decoding, eval)
+        e_BxTxE = table.lookup(flat_ids_BxTxH)
+    elif table.dtype == jnp.float8_e4m3fn:
         if "table_scale" not in params:
             raise ValueError("Engram: an float8_e4m3fn table needs its per-row `table_scale` [R]")
         return lookup(table, flat_ids_BxTxH, params["table_scale"])
-    e_BxTxE = lookup(table, flat_ids_BxTxH, None)
+    else:
+        e_BxTxE = lookup(table, flat_ids_BxTxH, None)
     if cfg.table_dtype == "float8_e4m3fn":
         b, t, h = flat_ids_BxTxH.shape
         rows_BxTxHxC = fp8.fake_quantize_rows(e_BxTxE.reshape(b, t, h, cfg.head_dim))
@@ -320,7 +325,10 @@ class Engram(nn.Module):
             "key_norm": param("key_norm", ones, ("engram_branch", "norm"), (m, d)),
             "query_norm": param("query_norm", ones, ("engram_branch", "norm"), (m, d)),
         }
-        if rows_UxC is None:
+        given = self.get_variable("params", "table") if rows_UxC is None else None
+        if isinstance(given, HostRows):  # kept on the host: read by a callback, not a param
+            params["table"] = given
+        elif rows_UxC is None:
             params["table"] = param(
                 "table",
                 nn.initializers.normal(self.init_std),

@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from v41jax.config import ModelConfig
+from v41jax.engram import flat_row_ids
+from v41jax.engram.host_rows import HostRows, read_host_rows
 from v41jax.mhc import expand_streams, reduce_streams
 from v41jax.mhc.layer import NormScale, single_pass_init, single_pass_readout
 from v41jax.model.attention import AttentionLayout, KVCache
@@ -168,12 +170,15 @@ class Transformer(nn.Module):
             kv_slots_BxS = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
             layout = AttentionLayout(q_slots_BxT, kv_slots_BxS)
 
+        extras = dict(extras or {})
+        if c.engram.enabled and not self.is_initializing():
+            extras = _read_host_tables(c, self.variables.get("params", {}), extras)
         inputs = BlockInputs(
             positions_BxT=positions_BxT,
             layout=layout,
             segment_ids_BxT=segment_ids_BxT,
             cache_index_B=cache_index,
-            extras=dict(extras or {}),
+            extras=extras,
         )
         embed = Embed(
             c.vocab_size,
@@ -228,6 +233,28 @@ class Transformer(nn.Module):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _read_host_tables(cfg: ModelConfig, params, extras: dict) -> dict:
+    """Extras with the rows of every Engram table kept on the host (`HostRows` in params)
+    read up front, in one host callback before block 0: the read depends on the ids alone,
+    so it can run while the blocks before the first Engram layer compute. Each such layer's
+    ids [B, T, H] become slots arange(B T H) into its rows [B T H, C] (`engram_rows_key`)."""
+    refs = {}
+    for layer in cfg.engram.layer_ids:
+        table = params.get(f"block_{layer}", {}).get("engram", {}).get("table")
+        if isinstance(table, HostRows) and engram_ids_key(layer) in extras:
+            refs[layer] = table
+    if not refs or any(engram_rows_key(layer) in extras for layer in refs):
+        return extras
+    ids = {layer: extras[engram_ids_key(layer)] for layer in refs}
+    flat = {layer: flat_row_ids(cfg.engram, layer, i) for layer, i in ids.items()}
+    out = dict(extras)
+    for layer, rows_NxC in read_host_rows(refs, flat).items():
+        shape = ids[layer].shape
+        out[engram_ids_key(layer)] = jnp.arange(math.prod(shape), dtype=jnp.int32).reshape(shape)
+        out[engram_rows_key(layer)] = rows_NxC
+    return out
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:

@@ -38,7 +38,9 @@ from v41jax.data import (
     eval_batches,
     prepare_data,
 )
+from v41jax.engram.host_table import HostTable
 from v41jax.model import convert_layout, layer_segments
+from v41jax.model.host_params import host_table_arrays, tables_on_host
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
@@ -179,7 +181,7 @@ def _with_saved_vocab(cfg: Config, saved: Config) -> Config:
 
 def _init_source(cfg: Config) -> LoadedRun:
     """The run train.init_from names, checked against the new run's model."""
-    source = load_run(cfg.train.init_from)
+    source = load_run(cfg.train.init_from, tables="host" if uses_host_tables(cfg) else "device")
     # How the params are computed with (scan, remat, attention path) may differ; the params
     # themselves may not, except for their layer layout, which is converted.
     free = {k: getattr(cfg.model, k) for k in COMPUTE_ONLY_MODEL_FIELDS}
@@ -233,10 +235,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         start, state = 0, init_fn(cfg.train.seed)
         if source is not None:  # fine-tuning: another run's params, a fresh optimizer
             params = convert_layout(source.params, layer_segments(cfg.model))
-            if uses_host_tables(cfg):  # the source's tables go to host memory
-                params, flat = split_tables(params)
-                source_tables = {int(str(p[-3]).rsplit("_", 1)[-1]): np.asarray(t)
-                                 for p, t in flat.items()}  # fmt: skip
+            if uses_host_tables(cfg):  # the source's tables stay in host memory
+                source_tables = host_table_arrays(params)
+                params, _ = split_tables(params)
             state = state.replace(params=jax.device_put(params, shardings.params))
     else:
         state, extra = checkpointer.restore(start, abstract)
@@ -325,8 +326,16 @@ class LoadedRun:
     param_shardings: object
 
 
-def load_run(workdir: str, step: int | None = None) -> LoadedRun:
-    """The config, tokenizer and params of a trained run (latest checkpoint by default)."""
+def load_run(workdir: str, step: int | None = None, tables: str = "auto") -> LoadedRun:
+    """The config, tokenizer and params of a trained run (latest checkpoint by default).
+
+    tables: where the Engram tables go for evaluation and decoding: "device" (params),
+    "host" (host memory, read through `HostRows` callbacks: `v41jax.model.host_params`), or
+    "auto" (host for a run trained with `model.engram.table_placement=host`, else device).
+    The returned cfg says placement "device" either way: it is the decoding config, whose
+    params hold the tables (as arrays or as `HostRows`)."""
+    if tables not in ("auto", "device", "host"):
+        raise ValueError(f"load_run: tables={tables!r} must be 'auto', 'device' or 'host'")
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{workdir} holds no run (no config.json); train one first")
@@ -351,15 +360,27 @@ def load_run(workdir: str, step: int | None = None) -> LoadedRun:
         )
     state, _ = checkpointer.restore(step, abstract)
     params = state.params
-    if uses_host_tables(cfg):  # evaluation and decoding read the tables as params
-        host = start_host_tables(cfg, checkpointer, step)
-        tables = {(f"block_{layer}", "engram", "table"): t for layer, t in host.tables.items()}
-        params = merge_tables(params, tables)
+    trained_on_host = uses_host_tables(cfg)
+    on_host = tables == "host" or (tables == "auto" and trained_on_host)
+    if trained_on_host:  # evaluation and decoding read the tables as params
+        restored = start_host_tables(cfg, checkpointer, step).tables
+        host = {k: HostTable(t) for k, t in restored.items()}
         engram = dataclasses.replace(cfg.model.engram, table_placement="device")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
         model, _, _, shardings, _ = make_state_fns(cfg, mesh)
+        if on_host:
+            params = tables_on_host(params, cfg.model, host)
+        else:
+            tables_ = {(f"block_{k}", "engram", "table"): t.table for k, t in host.items()}
+            params = jax.device_put(merge_tables(params, tables_), shardings.params)
+    elif on_host and cfg.model.engram.enabled:
+        params = tables_on_host(params, cfg.model)  # copied to host memory, off the device
+    param_shardings = shardings.params
+    if on_host and cfg.model.engram.enabled:  # the same HostRows in both trees
+        refs = {k: params[f"block_{k}"]["engram"]["table"] for k in cfg.model.engram.layer_ids}
+        param_shardings = tables_on_host(param_shardings, cfg.model, refs)
     checkpointer.close()
-    return LoadedRun(cfg, tokenizer, compression, params, step, mesh, model, shardings.params)
+    return LoadedRun(cfg, tokenizer, compression, params, step, mesh, model, param_shardings)
 
 
 def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = False) -> dict:
