@@ -38,6 +38,9 @@ class EngramConfig:
         the input pipeline gathers each batch's rows, the device step returns their
         gradients, the host applies the row-sparse update; needs a sparse
         optim.table_optimizer). The table and its optimizer state never become device arrays.
+    table_path: with table_placement "host", keep the tables and their optimizer states in
+        memory-mapped files in this directory (relative: inside the workdir) instead of RAM,
+        so they may exceed it ("" = in RAM). Checkpoints are the files' dirty-row logs.
     table_row_align: a layer's table stores its sum-of-primes rows rounded up to a multiple of
         this, so it row-shards evenly over any power-of-two shard count up to it; the padding
         rows are never addressed (and so never trained).
@@ -59,6 +62,7 @@ class EngramConfig:
     table_weight_decay: float = 0.0
     table_row_align: int = 128
     table_placement: str = "device"
+    table_path: str = ""
 
     def __post_init__(self):
         validate_engram(self)
@@ -113,6 +117,10 @@ def validate_engram(cfg: EngramConfig) -> None:
     require(
         cfg.table_placement in TABLE_PLACEMENTS,
         f"table_placement={cfg.table_placement!r} not in {TABLE_PLACEMENTS}",
+    )
+    require(
+        not cfg.table_path or cfg.table_placement == "host",
+        f"table_path={cfg.table_path!r} needs table_placement='host', not {cfg.table_placement!r}",
     )
     require(cfg.kernel_size >= 1, f"kernel_size={cfg.kernel_size} must be >= 1")
     require(

@@ -228,8 +228,10 @@ class TableFile:
         else:
             out_MxE[...] = rows
         fresh = np.flatnonzero(_bits(self.touched, ids_M) == 0) if self.lazy else ()
-        if len(fresh):  # untouched: the init, rounded as storing it would round it
-            i = self.header["init"]
+        i = self.header["init"]
+        if len(fresh) and i["std"] == 0:  # a zero table (an optimizer state): no generator
+            out_MxE[fresh] = 0
+        elif len(fresh):  # untouched: the init, rounded as storing it would round it
             q, s = _encode(init_rows(ids_M[fresh], self.dim, i["seed"], i["std"]), self.dtype)
             out_MxE[fresh] = q.astype(np.float32) * (1 if s is None else s[:, None])
 

@@ -12,7 +12,8 @@ its rows can be stale. Every update is logged with a version; a batch records th
 was gathered at, and `patch` re-reads, just before the batch goes to the device, each of its
 rows that an update since then touched. A host-table run therefore computes exactly what the
 same run with device tables and the same sparse optimizer computes (tested step by step).
-Single-process only: every process would need the same rows and updates.
+Single-process only: every process would need the same rows and updates. With
+`model.engram.table_path` the arrays are memory-mapped files (`v41jax.train.file_tables`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from v41jax.config import Config
 from v41jax.engram import table_optim
 from v41jax.engram.primes import head_offsets, stored_table_rows
 from v41jax.model import engram_ids_key, engram_rows_key
+from v41jax.train.file_tables import FileArray, open_table_files, snapshot_all, uses_table_files
 
 HOST_KEY = "_host_rows"  # batch entry that never goes to the device: {layer: u [N]}
 VERSION_KEY = "_host_version"
@@ -41,15 +43,15 @@ class HostTables:
     def __init__(self, cfg: Config, tables: dict[int, np.ndarray], states: dict | None = None):
         self.cfg, self.kind = cfg, cfg.optim.table_optimizer
         table_optim.check_kind(self.kind)
-        self.tables = {int(k): np.array(v, np.float32) for k, v in tables.items()}
+        keep = lambda a, dtype=None: a if isinstance(a, FileArray) else np.array(a, dtype)  # noqa: E731
+        self.files = all(isinstance(t, FileArray) for t in tables.values())
+        self.tables = {int(k): keep(v, np.float32) for k, v in tables.items()}
         self.states = {
             layer: table_optim.init_state(self.kind, *t.shape, xp=np)
             for layer, t in self.tables.items()
-        }
-        if states is not None:
-            self.states = {
-                int(k): {n: np.array(a) for n, a in st.items()} for k, st in states.items()
-            }
+        } if states is None else {
+            int(k): {n: keep(a) for n, a in st.items()} for k, st in states.items()
+        }  # fmt: skip
         self.version = 0
         self._log: list[tuple[int, dict[int, np.ndarray]]] = []
         self._lock = threading.Lock()
@@ -131,6 +133,15 @@ class HostTables:
             self._jitted = jax.jit(update)
         return self._jitted(rows_UxC, state_rows, grads_UxC, lr)
 
+    def checkpoint(self, step: int) -> dict | None:
+        """What `Checkpointer.save` stores for step `step`: the arrays (`state_dict`), or for
+        file tables None, after every file has appended its rows written since the last
+        checkpoint to its snapshot log (`v41jax.train.file_tables`)."""
+        if not self.files:
+            return self.state_dict()
+        snapshot_all(self.tables, self.states, step)
+        return None
+
     def state_dict(self) -> dict:
         return {
             "tables": {str(k): v for k, v in self.tables.items()},
@@ -152,10 +163,18 @@ def shaped_like(cfg: Config) -> HostTables:
     return HostTables(cfg, tables)
 
 
-def start_host_tables(cfg: Config, checkpointer, start: int, tables=None) -> HostTables:
+def start_host_tables(
+    cfg: Config, checkpointer, start: int, tables=None, workdir: str | None = None
+) -> HostTables:
     """The run's host tables: restored from checkpoint `start` (if > 0), else `tables`
-    ({layer: array}, e.g. a fine-tuning source's), else the init of `init_host_tables`."""
+    ({layer: array}, e.g. a fine-tuning source's), else the init of `init_host_tables`.
+    With `model.engram.table_path`: the workdir's table files at step `start`."""
     from v41jax.train.state import init_host_tables
+
+    if uses_table_files(cfg):
+        if workdir is None:
+            raise ValueError("model.engram.table_path: start_host_tables needs the workdir")
+        return HostTables(cfg, *open_table_files(cfg, workdir, start, tables))
 
     if start:
         like = shaped_like(cfg).state_dict()

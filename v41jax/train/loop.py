@@ -38,12 +38,14 @@ from v41jax.data import (
     eval_batches,
     prepare_data,
 )
+from v41jax.engram.host_rows import HostRows
 from v41jax.engram.host_table import HostTable
 from v41jax.model import convert_layout, layer_segments
 from v41jax.model.host_params import host_table_arrays, tables_on_host
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
+from v41jax.train.file_tables import read_only_tables, uses_table_files
 from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
 from v41jax.train.metrics import MetricsWriter
 from v41jax.train.resume import (
@@ -253,7 +255,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     eval_step = make_eval_step(cfg, mesh, model, shardings.params)
     prepare = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)
     if uses_host_tables(cfg):  # rows gathered with the batch, in the prefetch thread
-        host = start_host_tables(cfg, checkpointer, start, source_tables)
+        host = start_host_tables(cfg, checkpointer, start, source_tables, workdir)
         prepare = lambda b, add=prepare: host.gather(add(b))  # noqa: E731
         step_fn = functools.partial(host_step, train_step, host, cfg, mesh)
     else:
@@ -263,7 +265,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
     def save(step: int) -> None:
-        tables = host.state_dict() if host else None
+        tables = host.checkpoint(step) if host else None
         checkpointer.save(step, state, {"iterator": iterator.state()}, tables)
 
     def validation() -> list[dict]:  # host tables: the rows as they are now
@@ -363,15 +365,19 @@ def load_run(workdir: str, step: int | None = None, tables: str = "auto") -> Loa
     trained_on_host = uses_host_tables(cfg)
     on_host = tables == "host" or (tables == "auto" and trained_on_host)
     if trained_on_host:  # evaluation and decoding read the tables as params
-        restored = start_host_tables(cfg, checkpointer, step).tables
-        host = {k: HostTable(t) for k, t in restored.items()}
-        engram = dataclasses.replace(cfg.model.engram, table_placement="device")
+        if uses_table_files(cfg):  # memory-mapped, as of checkpoint `step`
+            host = read_only_tables(cfg, workdir, step)
+        else:
+            restored = start_host_tables(cfg, checkpointer, step).tables
+            host = {k: HostTable(t) for k, t in restored.items()}
+        engram = dataclasses.replace(cfg.model.engram, table_placement="device", table_path="")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
         model, _, _, shardings, _ = make_state_fns(cfg, mesh)
         if on_host:
             params = tables_on_host(params, cfg.model, host)
         else:
-            tables_ = {(f"block_{k}", "engram", "table"): t.table for k, t in host.items()}
+            tables_ = {(f"block_{k}", "engram", "table"): HostRows(t).read(np.arange(t.num_rows))
+                       for k, t in host.items()}  # fmt: skip
             params = jax.device_put(merge_tables(params, tables_), shardings.params)
     elif on_host and cfg.model.engram.enabled:
         params = tables_on_host(params, cfg.model)  # copied to host memory, off the device
