@@ -53,10 +53,26 @@ def _leaves(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def test_backbone_is_bit_identical_and_outside_the_optimizer(target, tmp_path):
+@pytest.fixture(scope="module")
+def drafter(target, tmp_path_factory):
+    """(workdir, result, the target's params before) of a drafter trained for 8 steps with
+    `drafter_cfg()`: one training run for several tests. Read only: a test that changes a
+    drafter changes a `_copy` of it."""
     before = _leaves(load_run(target).params)
-    workdir = str(tmp_path / "drafter")
+    workdir = str(tmp_path_factory.mktemp("drafters") / "base")
     result = train_drafter(drafter_cfg(), target, workdir, progress=False)
+    return workdir, result, before
+
+
+def _copy(drafter, name):
+    """A copy of the module's drafter beside it (so its relative path to the target holds)."""
+    workdir = os.path.join(os.path.dirname(drafter[0]), name)
+    shutil.copytree(drafter[0], workdir)
+    return workdir
+
+
+def test_backbone_is_bit_identical_and_outside_the_optimizer(target, drafter):
+    workdir, result, before = drafter
     assert result["step"] == 8 and np.isfinite(result["val_loss"])
     after = _leaves(load_run(target).params)
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
@@ -76,10 +92,9 @@ def test_backbone_is_bit_identical_and_outside_the_optimizer(target, tmp_path):
     )
 
 
-def test_resume_is_exact_and_config_changes_are_refused(target, tmp_path):
-    workdir = str(tmp_path / "drafter")
-    train_drafter(drafter_cfg(), target, workdir, progress=False)
-    final = _leaves(load_drafter(workdir)[1])
+def test_resume_is_exact_and_config_changes_are_refused(target, drafter):
+    final = _leaves(load_drafter(drafter[0])[1])
+    workdir = _copy(drafter, "resumed")
     shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))  # as if killed after step 4
     os.remove(os.path.join(workdir, "eval.json"))
     train_drafter(drafter_cfg(), target, workdir, progress=False)
@@ -89,9 +104,8 @@ def test_resume_is_exact_and_config_changes_are_refused(target, tmp_path):
         train_drafter(drafter_cfg("train.lr=0.1"), target, workdir, progress=False)
 
 
-def test_realignment_starts_from_the_given_drafter(target, tmp_path):
-    first = str(tmp_path / "first")
-    train_drafter(drafter_cfg("train.steps=4"), target, first, progress=False)
+def test_realignment_starts_from_the_given_drafter(target, drafter, tmp_path):
+    first = drafter[0]
     start = _leaves(load_drafter(first)[1])
     second = str(tmp_path / "second")
     cfg = drafter_cfg("train.steps=4", "train.lr=1e-9", "train.warmup_steps=0")
@@ -117,14 +131,15 @@ def test_drafter_trains_on_the_targets_own_samples(target, tmp_path):
         write_target_samples(run, out, **{**kw, "temperature": 0.5})
     with pytest.raises(ValueError, match="max_seq_len 64"):
         write_target_samples(run, str(tmp_path / "x"), **{**kw, "new_tokens": 80})
-    cfg = drafter_cfg("train.steps=2", f"train.data_paths={out}")
+    # the module drafter's settings: the same train step, so its compiled program is reused
+    cfg = drafter_cfg(f"train.data_paths={out}")
     result = train_drafter(cfg, target, str(tmp_path / "drafter"), progress=False)
-    assert result["step"] == 2 and np.isfinite(result["val_loss"])
+    assert result["step"] == 8 and np.isfinite(result["val_loss"])
 
 
 def test_cli_train_drafter_then_generate(target, tmp_path):
     workdir = str(tmp_path / "cli")
-    sets = [x for s in SETTINGS + ["train.steps=2"] for x in ("--set", s)]
+    sets = [x for s in SETTINGS for x in ("--set", s)]  # the step the cache holds compiled
     run = lambda *a: subprocess.run(
         [sys.executable, "-m", "v41jax", *a], capture_output=True, text=True, timeout=300
     )
@@ -169,12 +184,11 @@ def _snapshot(workdir):
     return out
 
 
-def test_a_drafter_checks_its_target(target, tmp_path):
+def test_a_drafter_checks_its_target(target, drafter, tmp_path):
     """A drafter records its target's run identity: a different target (here the same shapes,
     another seed: before, it ran silently) is a clear error; a moved target is accepted; a
     refused train-drafter changes nothing, and a missing target creates no workdir."""
-    workdir = str(tmp_path / "drafter")
-    train_drafter(drafter_cfg("train.steps=2"), target, workdir, progress=False)
+    workdir = _copy(drafter, "checked")
     with open(os.path.join(workdir, "drafter.json")) as f:
         record = json.load(f)
     assert not os.path.isabs(record["target_workdir"]) and record["target_identity"]
@@ -189,14 +203,14 @@ def test_a_drafter_checks_its_target(target, tmp_path):
         load_drafter(workdir, target=load_run(other))
     before = _snapshot(workdir)
     with pytest.raises(ValueError, match="target_identity"):
-        train_drafter(drafter_cfg("train.steps=2"), other, workdir, progress=False)
+        train_drafter(drafter_cfg(), other, workdir, progress=False)
     with pytest.raises(ValueError, match="train.lr"):
-        train_drafter(drafter_cfg("train.steps=2", "train.lr=0.1"), target, workdir)
+        train_drafter(drafter_cfg("train.lr=0.1"), target, workdir)
     assert _snapshot(workdir) == before
 
     moved = str(tmp_path / "moved_target")
     shutil.copytree(target, moved)
-    train_drafter(drafter_cfg("train.steps=2"), moved, workdir, progress=False)  # resumes
+    train_drafter(drafter_cfg(), moved, workdir, progress=False)  # resumes (finished)
     _, _, rec = load_drafter(workdir)
     assert os.path.samefile(os.path.join(workdir, rec["target_workdir"]), moved)
 
