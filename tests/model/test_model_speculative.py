@@ -64,11 +64,11 @@ def test_greedy_equals_autoregressive_for_several_batch_sizes(k=3):
 
 def test_full_acceptance_when_the_drafter_is_the_target():
     tp, _ = models()
-    toks, lens = prompts(3, seed=1)
-    out = speculative_generate(tp, TARGET, tp, TARGET, toks, lens, max_new_tokens=17, num_draft=4)
-    want = np.asarray(generate(tp, TARGET, toks, lens, max_new_tokens=17))
+    toks, lens = prompts(7, seed=1)  # the shapes above: plain `generate` compiles once
+    out = speculative_generate(tp, TARGET, tp, TARGET, toks, lens, max_new_tokens=24, num_draft=4)
+    want = np.asarray(generate(tp, TARGET, toks, lens, max_new_tokens=24))
     np.testing.assert_array_equal(np.asarray(out.tokens), want)
-    assert np.all(np.asarray(out.rounds) == 4)  # 1 + 4 x (4 + 1) = 21 >= 17
+    assert np.all(np.asarray(out.rounds) == 5)  # 1 + 4 x (4 + 1) = 21 < 24 <= 1 + 5 x 5
 
 
 def exact_marginals(cfg, params, prompt, n, setting):
