@@ -18,7 +18,10 @@ from v41jax.bench import device_check as dc
 from v41jax.bench import device_env
 
 SCRIPT = os.path.join(device_env.ROOT, "scripts", "device_check.sh")
-STAGES = ["kernel_tests", "train", "bench_mhc", "bench_engram", "bench_verify", "bench_attention"]
+STAGES = [
+    "kernel_tests", "train", "bench_mhc", "bench_engram", "bench_verify", "bench_attention",
+    "bench_host_decode",
+]  # fmt: skip
 
 
 def _script(*args, **env_overrides):

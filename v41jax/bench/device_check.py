@@ -42,7 +42,7 @@ from v41jax.bench.device_env import (
     versions_line,
 )
 
-BENCHMARKS = ("mhc", "engram", "verify", "attention")
+BENCHMARKS = ("mhc", "engram", "verify", "attention", "host_decode")
 # Small sizes per benchmark flag, used only for flags the benchmark's --help lists (their
 # flags change while --quick modes are added): a missing flag is left out, not an error.
 QUICK_FALLBACK = {
