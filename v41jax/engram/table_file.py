@@ -7,21 +7,19 @@ float8_e4m3fn), `scale.bin` (float32 [R] row scales, fp8 only: the `engram.fp8` 
 `touched.bin` and `dirty.bin` (bitmaps of rows holding stored values, lazy tables only, and
 of rows written since the last snapshot) and `log/` (snapshot segments).
 
-numpy.memmap, not tensorstore (installed, but only as a dependency of flax/orbax): a step
-gathers a few thousand rows of 0.25-1 KiB scattered at random. Through a memmap that is one
-`np.take` (which releases the GIL, so threads overlap page faults) whose pages the OS page
-cache keeps resident while hot, with no code of ours. Tensorstore adds an async read and
-chunk bookkeeping per request, for features (chunking, compression, remote stores) a local
-table does not use. The map is advised MADV_RANDOM: no readahead around a faulting row.
+numpy.memmap, not tensorstore (installed as a flax/orbax dependency): a step gathers a few
+thousand rows of 0.25-1 KiB at random; through a memmap that is one `np.take` (which frees
+the GIL, so threads overlap page faults) on pages the OS cache keeps while hot. Tensorstore
+adds async reads and chunk bookkeeping for features (chunks, compression, remote stores) a
+local table does not use. The map is advised MADV_RANDOM: no readahead around a fault.
 
 Init: element (r, e) is `init_std * N(0, 1)` from a counter-based generator (SplitMix64 of
 (seed, r * ceil(E/2) + e // 2), Box-Muller), so a row's initial value depends on (seed, row
 id) only: not on chunk sizes, creation order or `lazy`. Default `lazy=True`: `data.bin` is
 created sparse (ftruncate) and an untouched row is generated on read; a row is stored, and
-its touched bit set, when first written. Creation costs no time or disk whatever R is, the
-file holds only rows training wrote, and gathers never write. `lazy=False` writes every row
-up front (chunks, progress bar): only worth it to ship a fully materialised file. The
-generator is float32 numpy: bitwise reproducible for one numpy build on one CPU.
+its touched bit set, when first written: creation costs no time or disk whatever R is, and
+gathers never write. `lazy=False` writes every row up front (to ship a materialised file).
+The generator is float32 numpy: bitwise reproducible for one numpy build on one CPU.
 
 Checkpoints are a dirty-row log, never a second copy of the table: `snapshot(step)` appends
 a segment of the ids and stored bytes (and scales) of the rows written since the previous
@@ -57,7 +55,10 @@ _U = np.uint64
 
 
 def init_rows(ids: np.ndarray, dim: int, seed: int, init_std: float) -> np.ndarray:
-    """float32 [n, dim]: the initial value of rows `ids` (a function of (seed, id) only)."""
+    """float32 [n, dim]: the initial value of rows `ids` (a function of (seed, id) only);
+    init_std 0 (a zero table, e.g. an optimizer state) skips the generator."""
+    if init_std == 0:
+        return np.zeros((np.size(ids), dim), np.float32)
     ids = np.asarray(ids, np.int64).reshape(-1)
     half = (dim + 1) // 2
     x = ids.astype(_U)[:, None] * _U(half) + np.arange(half, dtype=_U)[None, :]
@@ -228,10 +229,8 @@ class TableFile:
         else:
             out_MxE[...] = rows
         fresh = np.flatnonzero(_bits(self.touched, ids_M) == 0) if self.lazy else ()
-        i = self.header["init"]
-        if len(fresh) and i["std"] == 0:  # a zero table (an optimizer state): no generator
-            out_MxE[fresh] = 0
-        elif len(fresh):  # untouched: the init, rounded as storing it would round it
+        if len(fresh):  # untouched: the init, rounded as storing it would round it
+            i = self.header["init"]
             q, s = _encode(init_rows(ids_M[fresh], self.dim, i["seed"], i["std"]), self.dtype)
             out_MxE[fresh] = q.astype(np.float32) * (1 if s is None else s[:, None])
 
