@@ -32,20 +32,16 @@ from v41jax import config as config_lib
 from v41jax.config import Config
 from v41jax.data import (
     BatchIterator,
-    CompressionTable,
     PreparedData,
     Tokenizer,
     eval_batches,
     prepare_data,
 )
-from v41jax.engram.host_rows import HostRows
-from v41jax.engram.host_table import HostTable
 from v41jax.model import convert_layout, layer_segments
-from v41jax.model.host_params import host_table_arrays, tables_on_host
+from v41jax.model.host_params import host_table_arrays
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
-from v41jax.train.file_tables import read_only_tables, uses_table_files
 from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
 from v41jax.train.metrics import MetricsWriter
 from v41jax.train.resume import (
@@ -54,7 +50,8 @@ from v41jax.train.resume import (
     reconcile,
     saved_config,
 )
-from v41jax.train.sparse_tables import merge_tables, split_tables
+from v41jax.train.runs import LoadedRun, load_run
+from v41jax.train.sparse_tables import split_tables
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
 
@@ -314,79 +311,6 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     batches.close()
     checkpointer.close()
     return result
-
-
-@dataclasses.dataclass
-class LoadedRun:
-    cfg: Config
-    tokenizer: Tokenizer
-    compression: CompressionTable
-    params: object
-    step: int
-    mesh: object
-    model: object
-    param_shardings: object
-
-
-def load_run(workdir: str, step: int | None = None, tables: str = "auto") -> LoadedRun:
-    """The config, tokenizer and params of a trained run (latest checkpoint by default).
-
-    tables: where the Engram tables go for evaluation and decoding: "device" (params),
-    "host" (host memory, read through `HostRows` callbacks: `v41jax.model.host_params`), or
-    "auto" (host for a run trained with `model.engram.table_placement=host`, else device).
-    The returned cfg says placement "device" either way: it is the decoding config, whose
-    params hold the tables (as arrays or as `HostRows`)."""
-    if tables not in ("auto", "device", "host"):
-        raise ValueError(f"load_run: tables={tables!r} must be 'auto', 'device' or 'host'")
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{workdir} holds no run (no config.json); train one first")
-    cfg = config_lib.load_json(path)
-    tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.json"))
-    compression = CompressionTable.load(os.path.join(workdir, "compression.npz"))
-    if tokenizer.vocab_size != cfg.model.vocab_size:  # e.g. a file copied from another run
-        raise ValueError(
-            f"{workdir}: tokenizer.json has {tokenizer.vocab_size} tokens but the run's "
-            f"model.vocab_size={cfg.model.vocab_size}; the workdir's files are inconsistent"
-        )
-    mesh = make_mesh(cfg.mesh)
-    model, _, _, shardings, abstract = make_state_fns(cfg, mesh)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
-    step = checkpointer.latest_step() if step is None else step
-    if step is None or step not in checkpointer.all_steps():
-        have = checkpointer.all_steps()
-        raise FileNotFoundError(
-            f"no checkpoint of step {step} in {checkpointer.directory} (have {have})"
-            if step is not None
-            else f"no checkpoints in {checkpointer.directory}: train the run first"
-        )
-    state, _ = checkpointer.restore(step, abstract)
-    params = state.params
-    trained_on_host = uses_host_tables(cfg)
-    on_host = tables == "host" or (tables == "auto" and trained_on_host)
-    if trained_on_host:  # evaluation and decoding read the tables as params
-        if uses_table_files(cfg):  # memory-mapped, as of checkpoint `step`
-            host = read_only_tables(cfg, workdir, step)
-        else:
-            restored = start_host_tables(cfg, checkpointer, step).tables
-            host = {k: HostTable(t) for k, t in restored.items()}
-        engram = dataclasses.replace(cfg.model.engram, table_placement="device", table_path="")
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
-        model, _, _, shardings, _ = make_state_fns(cfg, mesh)
-        if on_host:
-            params = tables_on_host(params, cfg.model, host)
-        else:
-            tables_ = {(f"block_{k}", "engram", "table"): HostRows(t).read(np.arange(t.num_rows))
-                       for k, t in host.items()}  # fmt: skip
-            params = jax.device_put(merge_tables(params, tables_), shardings.params)
-    elif on_host and cfg.model.engram.enabled:
-        params = tables_on_host(params, cfg.model)  # copied to host memory, off the device
-    param_shardings = shardings.params
-    if on_host and cfg.model.engram.enabled:  # the same HostRows in both trees
-        refs = {k: params[f"block_{k}"]["engram"]["table"] for k in cfg.model.engram.layer_ids}
-        param_shardings = tables_on_host(param_shardings, cfg.model, refs)
-    checkpointer.close()
-    return LoadedRun(cfg, tokenizer, compression, params, step, mesh, model, param_shardings)
 
 
 def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = False) -> dict:
