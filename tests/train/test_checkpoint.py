@@ -1,7 +1,9 @@
+import functools
 import json
 
 import jax
 import numpy as np
+import optax
 
 from v41jax import config as config_lib
 from v41jax.sharding import make_mesh
@@ -13,8 +15,24 @@ from v41jax.train.state import make_state_fns
 def test_checkpoint_round_trip_is_bit_exact_and_keeps_last_n(tmp_path):
     cfg = config_lib.override(config_lib.get_config("tiny"), ["mesh.data=2", "mesh.fsdp=2"])
     mesh = make_mesh(cfg.mesh)
-    _, _, init_fn, _, abstract = make_state_fns(cfg, mesh)
+    _, optimizer, init_fn, shardings, abstract = make_state_fns(cfg, mesh)
     state = init_fn(3)
+
+    @functools.partial(jax.jit, out_shardings=shardings)
+    def step(state, key):  # real optimizer steps: Adam's two moments differ and are non-zero
+        keys = iter(jax.random.split(key, len(jax.tree.leaves(state.params))))
+        grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return state.replace(params=optax.apply_updates(state.params, updates),
+                             opt_state=opt_state)  # fmt: skip
+
+    for i in range(3):
+        state = step(state, jax.random.key(i))
+    adam = [x for x in jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "nu"))
+            if hasattr(x, "nu")]  # fmt: skip
+    for st in adam:
+        for mu, nu in zip(jax.tree.leaves(st.mu), jax.tree.leaves(st.nu), strict=True):
+            assert np.abs(np.asarray(mu)).min() > 0 and not np.allclose(mu, nu)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2)
     for step in (4, 8, 12):
         ckpt.save(step, state.replace(step=state.step + step), {"iterator": {"step": step}})

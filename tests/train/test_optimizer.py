@@ -52,12 +52,21 @@ def test_global_norm_clipping_spans_all_groups():
         param_groups=(ParamGroup("tables", r"table$"),),
     )
     opt = make_optimizer(cfg, 10, PARAMS)
-    state = opt.init(PARAMS)
-    big = jax.tree.map(lambda p: 100.0 * jnp.ones_like(p), PARAMS)
-    clipped, _ = optax.clip_by_global_norm(1.0).update(big, optax.EmptyState())
-    assert optax.tree.norm(clipped) == pytest.approx(1.0, rel=1e-5)
-    updates, _ = opt.update(big, state, PARAMS)
-    assert all(bool(jnp.isfinite(u).all()) for u in jax.tree.leaves(updates))
+    # the groups' gradients have very different norms (tables x 100): per-group clipping
+    # would scale each group to norm 1; the global rule scales all by one factor
+    big = {**jax.tree.map(lambda p: 3.0 * jnp.ones_like(p), PARAMS),
+           "engram": {"table": 300.0 * jnp.ones((7, 3))}}  # fmt: skip
+    _, state = opt.update(big, opt.init(PARAMS), PARAMS)
+    factor = 1.0 / float(optax.tree.norm(big))
+    mu = {}  # Adam's first moment after one step: (1 - b1) * clipped gradient, per leaf
+    for st in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)):
+        if isinstance(st, optax.ScaleByAdamState):
+            mu.update({jax.tree_util.keystr(k): v for k, v in jax.tree.leaves_with_path(st.mu)})
+    want = {jax.tree_util.keystr(k): (1 - cfg.b1) * g * factor
+            for k, g in jax.tree.leaves_with_path(big)}  # fmt: skip
+    assert sorted(mu) == sorted(want)  # every param in exactly one group
+    for k, v in want.items():
+        np.testing.assert_allclose(mu[k], v, rtol=1e-5, err_msg=k)
 
 
 def test_schedule_warmup_then_cosine_to_floor():
