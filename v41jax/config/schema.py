@@ -158,6 +158,9 @@ class TrainConfig:
     checkpoint_every: int = 250
     keep_checkpoints: int = 3
     init_from: str = ""  # a run's workdir: a fresh run starts from its params (fine-tuning)
+    profile_steps: str = ""  # "a,b": a jax.profiler trace of steps a..b in WORKDIR/profile
+    peak_flops: float = 0.0  # per device, for MFU; 0: the device kind's (none for CPUs)
+    tensorboard: bool = True  # TensorBoard event files in WORKDIR/tensorboard
 
 
 @dataclass(frozen=True)
@@ -242,6 +245,11 @@ def validate(cfg: Config) -> None:
     for name in ("log_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
         _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be > 0")
     _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
+    _require(t.peak_flops >= 0, f"train.peak_flops={t.peak_flops} must be >= 0")
+    if t.profile_steps:
+        a, _, b = t.profile_steps.partition(",")
+        ok = a.strip().isdigit() and b.strip().isdigit() and 1 <= int(a) <= int(b)
+        _require(ok, f"train.profile_steps={t.profile_steps!r} must be 'a,b' with 1 <= a <= b")
     _require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     _require(
         o.table_optimizer in TABLE_OPTIMIZERS,

@@ -44,6 +44,7 @@ from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
 from v41jax.train.metrics import MetricsWriter
+from v41jax.train.observe import Profiler, TensorBoard, flops_metrics
 from v41jax.train.resume import (
     COMPUTE_ONLY_MODEL_FIELDS,
     latest_checkpoint_step,
@@ -259,6 +260,8 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         step_fn = lambda state, b: train_step(state, device_batch(mesh, b))  # noqa: E731
     batches = PrefetchingBatches(iterator, prepare)
     writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
+    board = TensorBoard(os.path.join(workdir, "tensorboard"), start, main and cfg.train.tensorboard)
+    profiler = Profiler(cfg.train.profile_steps if main else "", os.path.join(workdir, "profile"))
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
     def save(step: int) -> None:
@@ -278,7 +281,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         ) as bar,
     ):
         for step in range(start + 1, steps + 1):
+            profiler.before(step)
             state, metrics = step_fn(state, next(batches))
+            profiler.after(step, state)
             if step % cfg.train.log_every == 0 or step == steps:
                 metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
                 if not np.isfinite(metrics["loss"]):
@@ -289,13 +294,16 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                 now = time.perf_counter()
                 tps = (step - last_step) * tokens_per_step / (now - last_time)
                 last_time, last_step = now, step
-                writer.write({"step": step, **metrics, "tokens_per_s": tps})
+                record = {"step": step, **metrics, "tokens_per_s": tps, **flops_metrics(cfg, tps)}
+                writer.write(record)
+                board.write(record)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tps:,.0f}")
             if step % cfg.train.checkpoint_every == 0 or step == steps:
                 save(step)
             if step == steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
                 result = {"step": step, **evaluate(eval_step, mesh, state.params, validation())}
                 writer.write(result)
+                board.write(result)
                 bar.write(f"step {step}: val_loss {result['val_loss']:.4f}")
             bar.update(1)
             if stop.received is not None:
@@ -310,6 +318,8 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
             json.dump(result, f, indent=2)
     batches.close()
     checkpointer.close()
+    board.close()
+    profiler.close()
     return result
 
 

@@ -44,6 +44,9 @@ RESUMABLE_FIELDS = (
     "train.eval_batches",
     "train.checkpoint_every",
     "train.keep_checkpoints",
+    "train.profile_steps",
+    "train.peak_flops",
+    "train.tensorboard",
     "optim.schedule_steps",  # checked through the schedule's effective length
     *(f"model.{k}" for k in COMPUTE_ONLY_MODEL_FIELDS),
 )
