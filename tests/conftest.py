@@ -29,7 +29,9 @@ def _xla_cache_dir() -> tuple[str, bool]:
 
 
 _XLA_CACHE, _XLA_CACHE_OWNED = None, False
-if os.environ.get("V41JAX_TEST_XLA_CACHE") != "off":  # "off": no persistent cache
+if os.environ.get("V41JAX_TEST_XLA_CACHE") == "off":  # "off": no persistent cache at all,
+    os.environ["V41JAX_COMPILATION_CACHE"] = "off"  # not even the runs' default one
+else:
     _XLA_CACHE, _XLA_CACHE_OWNED = _xla_cache_dir()
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
     # Only programs whose compile takes a while are worth a disk round trip.

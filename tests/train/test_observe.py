@@ -4,6 +4,8 @@ step), a profiler trace of the chosen steps, model FLOP/s in the log and MFU giv
 import glob
 import os
 import struct
+import subprocess
+import sys
 import types
 
 import jax
@@ -83,3 +85,20 @@ def test_peak_flops_by_device_kind():
     assert peak_flops_per_device(cfg, kind("cpu")) is None
     set_peak = config_lib.override(cfg, ["train.peak_flops=5e14"])
     assert peak_flops_per_device(set_peak, kind("cpu")) == 5e14
+
+
+def test_runs_fill_a_persistent_compilation_cache_unless_told_not_to(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    env.pop("V41JAX_COMPILATION_CACHE", None)
+    cache = tmp_path / "cache"
+    argv = [sys.executable, "-m", "v41jax", "train", "--config", "tiny", "--no-progress",
+            "--set", "train.steps=2", "--set", "train.eval_every=0",
+            "--set", f"train.compilation_cache={cache}"]  # fmt: skip
+    run = lambda w, **e: subprocess.run(  # noqa: E731
+        [*argv, "--workdir", str(tmp_path / w)], env={**env, **e}, capture_output=True,
+        timeout=600, check=True,
+    )  # fmt: skip
+    run("off", V41JAX_COMPILATION_CACHE="off")
+    assert not cache.exists()
+    run("on")
+    assert len(os.listdir(cache)) >= 1  # the train step's executable, among others

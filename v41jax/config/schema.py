@@ -161,6 +161,8 @@ class TrainConfig:
     profile_steps: str = ""  # "a,b": a jax.profiler trace of steps a..b in WORKDIR/profile
     peak_flops: float = 0.0  # per device, for MFU; 0: the device kind's (none for CPUs)
     tensorboard: bool = True  # TensorBoard event files in WORKDIR/tensorboard
+    # persistent XLA compilation cache ("" = off); JAX_COMPILATION_CACHE_DIR takes precedence
+    compilation_cache: str = "~/.cache/v41jax/xla"
 
 
 @dataclass(frozen=True)

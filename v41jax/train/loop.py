@@ -74,6 +74,21 @@ def maybe_initialize_distributed() -> None:
     jax.distributed.initialize(**kwargs)
 
 
+def enable_compilation_cache(cfg: Config) -> str | None:
+    """Turn on JAX's persistent compilation cache for this process (a rerun, or a second run
+    of the same shapes, then skips XLA compilation): JAX's own setting
+    (JAX_COMPILATION_CACHE_DIR) wins, V41JAX_COMPILATION_CACHE=off or train.compilation_cache
+    "" leave it off. It must be set before the process's first compilation to take effect.
+    Returns the directory in use, or None."""
+    if jax.config.jax_compilation_cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    path = cfg.train.compilation_cache
+    if not path or os.environ.get("V41JAX_COMPILATION_CACHE") == "off":
+        return None
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    return jax.config.jax_compilation_cache_dir
+
+
 def resolve_data_dependent(cfg: Config, data: PreparedData) -> Config:
     """Fill what only the data knows: Engram's compressed vocabulary size V'."""
     engram = cfg.model.engram
@@ -194,6 +209,7 @@ def _init_source(cfg: Config) -> LoadedRun:
 def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     """Train (or resume) the run in `workdir`; returns the final evaluation."""
     maybe_initialize_distributed()
+    enable_compilation_cache(cfg)
     main = jax.process_index() == 0
     saved, latest = saved_config(workdir), latest_checkpoint_step(workdir)
     source = cfg.train.init_from

@@ -47,6 +47,7 @@ RESUMABLE_FIELDS = (
     "train.profile_steps",
     "train.peak_flops",
     "train.tensorboard",
+    "train.compilation_cache",
     "optim.schedule_steps",  # checked through the schedule's effective length
     *(f"model.{k}" for k in COMPUTE_ONLY_MODEL_FIELDS),
 )
