@@ -158,6 +158,7 @@ class TrainConfig:
     checkpoint_every: int = 250
     keep_checkpoints: int = 3
     init_from: str = ""  # a run's workdir: a fresh run starts from its params (fine-tuning)
+    microbatches: int = 1  # gradient accumulation: the batch in this many sequential parts
     profile_steps: str = ""  # "a,b": a jax.profiler trace of steps a..b in WORKDIR/profile
     peak_flops: float = 0.0  # per device, for MFU; 0: the device kind's (none for CPUs)
     tensorboard: bool = True  # TensorBoard event files in WORKDIR/tensorboard
@@ -247,6 +248,16 @@ def validate(cfg: Config) -> None:
     for name in ("log_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
         _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be > 0")
     _require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
+    _require(
+        t.microbatches >= 1 and d.global_batch_size % t.microbatches == 0,
+        f"train.microbatches={t.microbatches} must be >= 1 and divide "
+        f"data.global_batch_size={d.global_batch_size}",
+    )
+    _require(
+        t.microbatches == 1 or not m.engram.enabled or o.table_optimizer == "adam",
+        f"train.microbatches={t.microbatches} with optim.table_optimizer="
+        f"{o.table_optimizer!r}: gradient accumulation is not built for row-sparse tables",
+    )
     _require(t.peak_flops >= 0, f"train.peak_flops={t.peak_flops} must be >= 0")
     if t.profile_steps:
         a, _, b = t.profile_steps.partition(",")

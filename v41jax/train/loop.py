@@ -225,10 +225,11 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     # Every check before the first write: a refused command leaves the workdir untouched.
     mesh = make_mesh(cfg.mesh)
     shards = batch_shards(mesh)
-    if cfg.data.global_batch_size % shards:
+    if (cfg.data.global_batch_size // cfg.train.microbatches) % shards:
         raise ValueError(
-            f"data.global_batch_size={cfg.data.global_batch_size} is not divisible "
-            f"by the mesh's data x fsdp = {shards} batch shards"
+            f"data.global_batch_size={cfg.data.global_batch_size} / train.microbatches="
+            f"{cfg.train.microbatches} is not divisible by the mesh's data x fsdp = {shards} "
+            "batch shards"
         )
     model, optimizer, init_fn, shardings, abstract = make_state_fns(cfg, mesh)
     val = validation_batches(cfg, data, cfg.train.eval_batches)

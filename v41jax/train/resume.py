@@ -44,6 +44,7 @@ RESUMABLE_FIELDS = (
     "train.eval_batches",
     "train.checkpoint_every",
     "train.keep_checkpoints",
+    "train.microbatches",
     "train.profile_steps",
     "train.peak_flops",
     "train.tensorboard",

@@ -24,6 +24,7 @@ from v41jax.model import ENGRAM_IDS_PREFIX, ENGRAM_ROWS_PREFIX, engram_rows_key,
 from v41jax.model.layout import unscan_tree
 from v41jax.train.batches import batch_keys
 from v41jax.train.host_tables import uses_host_tables
+from v41jax.train.microbatch import accumulated_grads
 from v41jax.train.optimizer import lr_schedule, schedule_length
 from v41jax.train.sparse_tables import host_train_step, sparse_train_step, uses_sparse_tables
 from v41jax.train.state import TrainState
@@ -94,11 +95,16 @@ def make_train_step(
     schedule = lr_schedule(cfg.optim, schedule_length(cfg))
     z_loss = cfg.optim.z_loss
 
+    k = cfg.train.microbatches
+
     def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        def loss_fn(params):
+        def loss_fn(params, batch=batch):
             return _forward_loss(model, params, batch, z_loss)
 
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        if k > 1:  # gradient accumulation over k sequential microbatches
+            metrics, grads = accumulated_grads(loss_fn, state.params, batch, k)
+        else:
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
