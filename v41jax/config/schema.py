@@ -96,6 +96,9 @@ class ModelConfig:
     init_std: float = 0.02
     attention_impl: str = "auto"  # one of ATTENTION_IMPLS
     attention_block_size: int = 512  # query/key block of the blockwise and Pallas paths
+    # training loss over chunks of this many positions: the [B, T, V] logits never exist at
+    # once (each chunk's are recomputed in the backward); 0 = the whole sequence at once
+    logits_chunk: int = 0
     scan_layers: bool = True  # homogeneous runs of blocks under nn.scan
     remat_policy: str = "none"  # one of REMAT_POLICIES
     # Engram memory before attention at engram.layer_ids (none by default).
@@ -234,6 +237,7 @@ def validate(cfg: Config) -> None:
         ("remat_policy", REMAT_POLICIES),
     ):
         _require(getattr(m, name) in allowed, f"model.{name}={getattr(m, name)!r} not in {allowed}")
+    _require(m.logits_chunk >= 0, f"model.logits_chunk={m.logits_chunk} must be >= 0")
     _require(m.attention_block_size > 0, f"model.attention_block_size={m.attention_block_size}")
     ids = m.moe.layer_ids
     _require(

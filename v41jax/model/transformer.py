@@ -68,9 +68,13 @@ class ModelOutput(NamedTuple):
     (-1 = embeddings, l = output of block l, before the final norm); `cache` the updated
     KV caches {segment: {"k", "v"}} when a cache was passed, else None."""
 
-    logits: jax.Array
+    logits: jax.Array | None
     hidden: dict[int, jax.Array]
     cache: Cache | None
+    # with `targets_BxT` and cfg.logits_chunk > 0: logits is None and these are float32
+    # [B, T]: logsumexp of each position's logits and the target's logit
+    lse: jax.Array | None = None
+    target_logit: jax.Array | None = None
 
 
 def check_cache(cfg: ModelConfig, cache: Any) -> None:
@@ -128,6 +132,7 @@ class Transformer(nn.Module):
         cache: Cache | None = None,
         cache_index: jax.Array | None = None,
         extras: Mapping[str, jax.Array] | None = None,
+        targets_BxT: jax.Array | None = None,
     ) -> ModelOutput:
         """Forward pass over int tokens [B, T].
 
@@ -141,6 +146,8 @@ class Transformer(nn.Module):
             and int32 [B] first write slots (default 0). Queries then sit at slots
             `cache_index + t`.
         extras: per-token side inputs for later modules, passed to every block.
+        targets_BxT: with cfg.logits_chunk > 0, the head runs over chunks of that many
+            positions and returns only `lse` and `target_logit` (`chunked_head_stats`).
         """
         c = self.cfg
         dtype, param_dtype = _dtypes(c)
@@ -214,7 +221,7 @@ class Transformer(nn.Module):
                 x_BxTxD = reduce_streams(x_BxTxD)
             x_BxTxD = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype, name="final_norm")(x_BxTxD)
         if c.tie_embeddings:
-            logits_BxTxV = embed.attend(x_BxTxD)
+            w_head, spec = embed.embedding, "btd,vd->btv"
         else:
             w_head = self.param(
                 "head",
@@ -222,17 +229,46 @@ class Transformer(nn.Module):
                 (c.d_model, c.vocab_size),
                 param_dtype,
             )
-            logits_BxTxV = jnp.einsum(
-                "btd,dv->btv",
-                x_BxTxD.astype(dtype),
-                w_head.astype(dtype),
-                preferred_element_type=jnp.float32,
+            spec = "btd,dv->btv"
+
+        def head(x):  # the logits, accumulated in float32
+            logits = jnp.einsum(
+                spec, x.astype(dtype), w_head.astype(dtype), preferred_element_type=jnp.float32
             )
-        logits_BxTxV = nn.with_logical_constraint(logits_BxTxV, ("batch", "length", "act_vocab"))
-        return ModelOutput(logits_BxTxV, hidden, new_caches if cache is not None else None)
+            return nn.with_logical_constraint(logits, ("batch", "length", "act_vocab"))
+
+        new_caches = new_caches if cache is not None else None
+        if targets_BxT is not None and c.logits_chunk and not self.is_initializing():
+            lse, target = chunked_head_stats(head, x_BxTxD, targets_BxT, c.logits_chunk)
+            return ModelOutput(None, hidden, new_caches, lse, target)
+        return ModelOutput(head(x_BxTxD), hidden, new_caches)
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def chunked_head_stats(head, x_BxTxD: jax.Array, targets_BxT: jax.Array, chunk: int):
+    """(lse, target logit), float32 [B, T], of `head(x)` [B, T, V] computed `chunk`
+    positions at a time, each chunk under `jax.checkpoint`: the forward keeps [B, chunk, V]
+    logits at once and the backward recomputes each chunk's, so no [B, T, V] array exists.
+
+        lse[b, t] = log sum_v exp(z[b, t, v]),    target[b, t] = z[b, t, y[b, t]]
+    """
+    b, t, d = x_BxTxD.shape
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    x = jnp.pad(x_BxTxD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
+    y = jnp.pad(targets_BxT, ((0, 0), (0, pad))).reshape(b, n, chunk)
+
+    @jax.checkpoint
+    def one(x_BxCxD, y_BxC):
+        logits = head(x_BxCxD)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return lse, jnp.take_along_axis(logits, y_BxC[..., None], axis=-1)[..., 0]
+
+    lse, target = jax.lax.map(lambda xy: one(*xy), (x.swapaxes(0, 1), y.swapaxes(0, 1)))
+    unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # noqa: E731
+    return unchunk(lse), unchunk(target)
 
 
 def _read_host_tables(cfg: ModelConfig, params, extras: dict) -> dict:

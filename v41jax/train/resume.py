@@ -34,6 +34,7 @@ COMPUTE_ONLY_MODEL_FIELDS = (
     "remat_policy",
     "attention_impl",
     "attention_block_size",
+    "logits_chunk",
 )
 
 RESUMABLE_FIELDS = (

@@ -35,9 +35,17 @@ def next_token_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Masked mean cross-entropy (+ optional z-loss), all in fp32. Returns (loss, metrics)."""
     logits = logits_BxTxV.astype(jnp.float32)
-    mask = mask_BxT.astype(jnp.float32)
     lse_BxT = jax.nn.logsumexp(logits, axis=-1)
     target_logit_BxT = jnp.take_along_axis(logits, targets_BxT[..., None], axis=-1)[..., 0]
+    return loss_from_stats(lse_BxT, target_logit_BxT, mask_BxT, z_loss)
+
+
+def loss_from_stats(
+    lse_BxT: jax.Array, target_logit_BxT: jax.Array, mask_BxT: jax.Array, z_loss: float = 0.0
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """`next_token_loss` from each position's logsumexp and target logit (float32 [B, T]),
+    e.g. the model's chunked head (`model.logits_chunk`)."""
+    mask = mask_BxT.astype(jnp.float32)
     ce_BxT = lse_BxT - target_logit_BxT
     denom = jnp.maximum(mask.sum(), 1.0)
     ce = (ce_BxT * mask).sum() / denom
@@ -59,9 +67,13 @@ def _forward_loss(model, params, batch, z_loss):
         batch["positions"],
         batch["segment_ids"],
         extras=extras,
+        targets_BxT=batch["targets"],
         mutable=["intermediates"],
     )
-    loss, metrics = next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
+    if out.logits is None:  # the chunked head (model.logits_chunk): no [B, T, V] logits
+        loss, metrics = loss_from_stats(out.lse, out.target_logit, batch["loss_mask"], z_loss)
+    else:
+        loss, metrics = next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
     # scanned runs sow stacked [L_run, ...] values: read them per block, in depth order
     intermediates = unscan_tree(state.get("intermediates", {}), model.cfg.num_layers)
     moe = moe_metrics(intermediates)
