@@ -1,5 +1,6 @@
 """Observability of a run: TensorBoard scalars beside metrics.jsonl (purged past the resume
-step), a profiler trace of the chosen steps, model FLOP/s in the log and MFU given a peak."""
+step), a profiler trace of the chosen steps, per-module gradient and update norms, model
+FLOP/s in the log and MFU given a peak, the persistent compilation cache."""
 
 import glob
 import os
@@ -50,8 +51,13 @@ def test_a_run_logs_tensorboard_flops_mfu_and_a_profile(tmp_path):
     logged = [r for r in rows if "loss" in r]
     per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
     for r in logged:
+        modules = [k for k in r if k.startswith("grad_norm/")]
+        assert {"grad_norm/embed", "grad_norm/final_norm"} <= set(modules)
+        assert sum(r[k] ** 2 for k in modules) == pytest.approx(r["grad_norm"] ** 2, rel=1e-4)
+        assert r["update_norm/embed"] >= 0 and "update_norm/final_norm" in r
         assert r["model_flops_per_s"] == pytest.approx(r["tokens_per_s"] * per_token)
         assert r["mfu"] == pytest.approx(r["model_flops_per_s"] / (1e12 * jax.device_count()))
+    assert logged[-1]["update_norm/embed"] > 0  # step 1 runs at lr 0 (warmup)
     board = str(tmp_path / "tensorboard")
     loss = scalars(board, "train/loss")
     assert sorted(loss) == [1, 2, 3, 4]

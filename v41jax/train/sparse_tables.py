@@ -113,11 +113,14 @@ def _grads_and_dense_update(cfg, forward_loss, optimizer, state, rest, tables, b
         factor = jnp.where(grad_norm < o.grad_clip, 1.0, o.grad_clip / grad_norm)
         g_rest, g_rows = jax.tree.map(lambda g: g * factor, (g_rest, g_rows))
     updates, dense_state = optimizer.update(g_rest, state.opt_state["dense"], rest)
+    norms = {f"grad_norm/{k}": optax.tree.norm(v) for k, v in g_rest.items()}
+    norms |= {f"update_norm/{k}": optax.tree.norm(v) for k, v in updates.items()}
+    norms |= {f"grad_norm/engram_rows_{k}": optax.tree.norm(g) for k, g in g_rows.items()}
     return (
         optax.apply_updates(rest, updates),
         dense_state,
         g_rows,
-        dict(metrics, grad_norm=grad_norm),
+        dict(metrics, grad_norm=grad_norm, **norms),
     )
 
 

@@ -91,6 +91,12 @@ def _forward_loss(model, params, batch, z_loss):
     return loss, metrics
 
 
+def module_norms(prefix: str, tree: dict) -> dict[str, jax.Array]:
+    """{"<prefix>/<module>": global L2 norm} per top-level module of a params-shaped tree
+    (embed, block_<i> / layers_<a>_<b> runs, final_norm, head)."""
+    return {f"{prefix}/{name}": optax.tree.norm(sub) for name, sub in tree.items()}
+
+
 def _h_res_in_depth_order(intermediates: dict, num_layers: int) -> list:
     """[H_res of block 0 attention, block 0 FFN, block 1 attention, ...] as sown, from
     intermediates in the unscanned layout (`unscan_tree`)."""
@@ -120,6 +126,7 @@ def make_train_step(
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
+        metrics |= module_norms("grad_norm", grads) | module_norms("update_norm", updates)
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
