@@ -161,6 +161,7 @@ class TrainConfig:
     checkpoint_every: int = 250
     keep_checkpoints: int = 3
     init_from: str = ""  # a run's workdir: a fresh run starts from its params (fine-tuning)
+    async_checkpoints: bool = True  # orbax writes in the background while training goes on
     microbatches: int = 1  # gradient accumulation: the batch in this many sequential parts
     profile_steps: str = ""  # "a,b": a jax.profiler trace of steps a..b in WORKDIR/profile
     peak_flops: float = 0.0  # per device, for MFU; 0: the device kind's (none for CPUs)

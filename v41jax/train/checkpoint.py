@@ -5,6 +5,13 @@ optimizer state, step, RNG (item "state") and the data iterator's position (item
 A checkpoint of the other layer layout (scanned or not) is converted on restore.
 Orbax writes into a temporary directory and renames it when complete, so a process killed
 mid-save (SIGKILL) leaves the previous checkpoint intact and the partial one is ignored.
+
+`asynchronous=True` (the training loop's `train.async_checkpoints`): `save` returns once the
+arrays are copied off the device, and orbax writes them in a background thread while
+training continues; the next save, `wait` and `close` wait for it. A step is on disk only
+when its directory has been renamed into place (what `latest_checkpoint_step` reads), so a
+SIGKILL during a background write resumes from the previous checkpoint, exactly. Saves that
+carry host tables (numpy arrays the next steps update in place) are waited for.
 """
 
 from __future__ import annotations
@@ -22,16 +29,12 @@ from v41jax.model.layout import convert_layout, layout_of, segments_of
 class Checkpointer:
     """Keeps the last `keep` checkpoints of `directory` (absolute or relative path)."""
 
-    def __init__(self, directory: str, keep: int):
+    def __init__(self, directory: str, keep: int, asynchronous: bool = False):
         self.directory = os.path.abspath(directory)
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
-                create=True,
-                # Synchronous: a save has finished when save() returns, so the step we report
-                # as saved is really on disk when a SIGKILL follows.
-                enable_async_checkpointing=False,
+                max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous
             ),
             # handlers named up front (not just item names), so a fresh manager can read a
             # saved step's metadata before restoring it (the layer-layout check in restore)
@@ -57,6 +60,11 @@ class Checkpointer:
         if host_tables is not None:
             items["host_tables"] = ocp.args.StandardSave(host_tables)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if host_tables is not None:  # numpy arrays the next steps update in place
+            self.manager.wait_until_finished()
+
+    def wait(self) -> None:
+        """Block until every save issued so far is on disk."""
         self.manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
@@ -112,6 +120,7 @@ class Checkpointer:
         return restored["state"], dict(restored["data"])
 
     def close(self) -> None:
+        self.manager.wait_until_finished()
         self.manager.close()
 
 

@@ -237,7 +237,11 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     _write_run_files(cfg, workdir, data, changes)
     if changes and main:
         print(f"resuming {workdir} at step {latest} with changes: {'; '.join(changes)}")
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    checkpointer = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        cfg.train.keep_checkpoints,
+        asynchronous=cfg.train.async_checkpoints,
+    )
     iterator = BatchIterator(
         data.train_tokens,
         data.train_segments,
@@ -325,11 +329,13 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
             bar.update(1)
             if stop.received is not None:
                 save(step)
+                checkpointer.wait()
                 bar.write(f"stopped by signal {stop.received} at step {step}; checkpoint saved")
                 result = {"step": step, "stopped": True}
                 break
     if start == steps:  # nothing left to train: report the saved model
         result = {"step": steps, **evaluate(eval_step, mesh, state.params, validation())}
+    checkpointer.wait()  # the final checkpoint is on disk before eval.json says done
     if main and not result.get("stopped"):
         with open(os.path.join(workdir, "eval.json"), "w") as f:
             json.dump(result, f, indent=2)

@@ -46,6 +46,7 @@ RESUMABLE_FIELDS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.microbatches",
+    "train.async_checkpoints",
     "train.profile_steps",
     "train.peak_flops",
     "train.tensorboard",
