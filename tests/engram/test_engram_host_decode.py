@@ -88,7 +88,9 @@ def _generate(p, **kw):
     )
 
 
-@pytest.mark.parametrize("source", ["host", "numpy", "file"])
+@pytest.mark.parametrize(
+    "source", ["host", pytest.param("numpy", marks=pytest.mark.slow), "file"]
+)  # a numpy source is read like a HostTable's own array
 def test_generate_with_host_tables_equals_device_tables(source, file_tables):
     srcs = {"host": {k: HostTable(v) for k, v in tables().items()},
             "numpy": tables(), "file": file_tables}[source]  # fmt: skip
