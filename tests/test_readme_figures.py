@@ -47,6 +47,9 @@ def render(experiment: str) -> str:
     if experiment in ("mhc_stability", "spec_throughput"):
         report = _module(f"experiments/{experiment}/report.py", f"{experiment}_report")
         return report.render_tables(_json("experiments", experiment, "results", "summary.json"))
+    if experiment == "engram_scale":
+        report = _module("experiments/engram_scale/report.py", "engram_scale_report")
+        return report.render_tables(_json("experiments", "engram_scale", "results", "summary.json"))
     if experiment == "benchmarks":
         report = _module("experiments/benchmarks/report.py", "benchmarks_report")
         return report.render_tables(os.path.join(EXP, "benchmarks"))
@@ -61,7 +64,9 @@ def rendered_blocks(readme: str) -> list[str]:
     return blocks
 
 
-RENDERED = ("dspark", "engram_vs_ffn", "benchmarks", "mhc_stability", "spec_throughput")
+RENDERED = (
+    "dspark", "engram_vs_ffn", "benchmarks", "mhc_stability", "spec_throughput", "engram_scale",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("experiment", RENDERED)
