@@ -215,6 +215,20 @@ def tables_table(d: dict) -> str:
     return out + (f"\n\nnot run (memory or --dense-max): {', '.join(skipped)}" if skipped else "")
 
 
+def host_decode_table(d: dict) -> str:
+    m = d["model"]
+    rows = [
+        [f"{m['layers']} x {m['d_model']}", r["batch"], r["placement"]]
+        + [f"{r['ms_per_token_step']:.2f}", f"{r['tokens_per_s']:,.0f}"]
+        + [f"{r['best_tokens_per_s']:,.0f}", f"{r['extra_ms_per_step']:+.2f}"]
+        + [f"{r['ratio']:.3f}", "yes" if r["same_tokens"] else "NO"]
+        for r in d["rows"]
+    ]
+    header = ["layers x d", "batch", "tables", "ms/step", "tokens/s", "best tokens/s"]
+    header += ["extra ms/step", "vs device", "same tokens"]
+    return _md(header, rows)
+
+
 SECTIONS = (
     ("train", "Training throughput", train_table),
     ("engram", "Engram vs an equal-parameter dense FFN", engram_table),
@@ -226,6 +240,8 @@ SECTIONS = (
     ("table_file", "Engram tables in a file", table_file_table),
     ("tables", "Train step vs Engram table size", tables_table),
     ("tables_rowwise_1e9", "Train step, 1e6 vs 1e9 table, rowwise_adagrad", tables_table),
+    ("host_decode", "Decoding with host and file tables", host_decode_table),
+    ("host_decode_deep", "Decoding with host and file tables, a deeper model", host_decode_table),
 )
 
 
