@@ -21,7 +21,7 @@ from v41jax.engram.host_rows import HostRows
 from v41jax.engram.host_table import HostTable
 from v41jax.engram.table_file import TableFile, create_table_file
 from v41jax.model import Transformer, engram_ids_key, generate, init_params, speculative_generate
-from v41jax.model.host_params import engram_table_paths, tables_on_host
+from v41jax.model.host_params import engram_tables, tables_on_host
 
 V = 48
 ENGRAM = EngramConfig(
@@ -48,14 +48,7 @@ def params():
 
 
 def tables():
-    plain = nn.unbox(params())
-    out = {}
-    for layer, path in engram_table_paths(plain).items():
-        t = plain
-        for k in path:
-            t = t[k]
-        out[layer] = np.asarray(t)
-    return out
+    return {layer: np.asarray(t) for layer, t in engram_tables(params()).items()}
 
 
 class CountingTable(HostTable):

@@ -22,7 +22,6 @@ import time
 
 import jax
 import numpy as np
-from flax import linen as nn
 
 from v41jax.bench.common import format_table, machine_info, positive_int, write_json
 from v41jax.config import ModelConfig
@@ -30,7 +29,7 @@ from v41jax.engram import EngramConfig
 from v41jax.engram.host_table import HostTable
 from v41jax.engram.table_file import create_table_file
 from v41jax.model import generate, init_params
-from v41jax.model.host_params import engram_table_paths, tables_on_host
+from v41jax.model.host_params import engram_tables, tables_on_host
 
 PLACEMENTS = ("device", "host", "file")
 
@@ -71,8 +70,7 @@ def model_config(args) -> ModelConfig:
 
 def placements(params, cfg: ModelConfig, file_dir: str) -> dict:
     """{placement: params}: the device params, and the same tables on the host and in files."""
-    plain = nn.unbox(params)
-    tables = {layer: np.asarray(p_get(plain, p)) for layer, p in engram_table_paths(plain).items()}
+    tables = {layer: np.asarray(t) for layer, t in engram_tables(params).items()}
     files = {}
     for layer, t in tables.items():
         tf = create_table_file(os.path.join(file_dir, f"layer_{layer}"), *t.shape, progress=False)
@@ -88,20 +86,13 @@ def placements(params, cfg: ModelConfig, file_dir: str) -> dict:
     }
 
 
-def p_get(tree, path):
-    for k in path:
-        tree = tree[k]
-    return tree
-
-
 def run(args) -> int:
     if args.quick:
         args.passes, args.new, args.table_params = 3, 16, 1e6
     cfg = model_config(args)
     params = init_params(cfg, jax.random.key(0))
     compression = (np.arange(cfg.vocab_size) % cfg.engram.compressed_vocab_size).astype(np.int32)
-    plain = nn.unbox(params)
-    table_bytes = sum(p_get(plain, p).nbytes for p in engram_table_paths(plain).values())
+    table_bytes = sum(t.nbytes for t in engram_tables(params).values())
     rows = []
     with tempfile.TemporaryDirectory(dir=args.file_dir) as tmp:
         by_place = placements(params, cfg, tmp)

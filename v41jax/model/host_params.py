@@ -34,6 +34,12 @@ def engram_table_paths(params) -> dict[int, tuple]:
     return out
 
 
+def engram_tables(params) -> dict[int, object]:
+    """{Engram layer: its `table` leaf} of a (boxed or plain) params tree."""
+    plain = nn.unbox(params)
+    return {layer: _get(plain, path) for layer, path in engram_table_paths(plain).items()}
+
+
 def host_rows_of(cfg: ModelConfig, sources: dict) -> dict[int, HostRows]:
     """{layer: HostRows} from {layer: HostTable | TableFile | numpy [R, C] | HostRows},
     checked against the config: every Engram layer once, rows = its stored table rows."""
@@ -63,10 +69,8 @@ def tables_on_host(params, cfg: ModelConfig, sources: dict | None = None):
     without a table at a layer (host-table training drops them) get the source's. Works on a
     sharding tree too when `sources` are the HostRows already used for the params.
     """
-    plain = nn.unbox(params)
-    paths = engram_table_paths(plain)
     if sources is None:
-        sources = {layer: HostTable(np.asarray(_get(plain, p))) for layer, p in paths.items()}
+        sources = {layer: HostTable(np.asarray(t)) for layer, t in engram_tables(params).items()}
     refs = host_rows_of(cfg, sources)
     flat = traverse_util.flatten_dict(dict(params))
     for layer, ref in refs.items():
@@ -78,8 +82,7 @@ def host_table_arrays(params) -> dict[int, np.ndarray]:
     """{layer: the numpy table} of params whose tables are `HostRows` over in-memory tables
     (HostTable of float32/bfloat16 rows, or numpy); raises for file-backed or FP8 ones."""
     out = {}
-    for layer, path in engram_table_paths(params).items():
-        ref = _get(params, path)
+    for layer, ref in engram_tables(params).items():
         src = ref.source if isinstance(ref, HostRows) else None
         if isinstance(src, HostTable) and src.scale is None and src.block_exp is None:
             src = src.table

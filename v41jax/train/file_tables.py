@@ -65,7 +65,7 @@ class FileArray:
         self.file.update_rows(np.asarray(ids), rows.astype(np.float32))
 
 
-def _state_shapes(kind: str, rows: int, dim: int) -> dict[str, tuple[int, np.dtype]]:
+def _state_shapes(kind: str, dim: int) -> dict[str, tuple[int, np.dtype]]:
     zero = table_optim.init_state(kind, 1, dim, xp=np)
     return {name: (a.shape[1], a.dtype) for name, a in zero.items()}
 
@@ -73,7 +73,7 @@ def _state_shapes(kind: str, rows: int, dim: int) -> dict[str, tuple[int, np.dty
 def _paths(root: str, layer: int, kind: str, dim: int) -> dict[str, tuple[str, int, np.dtype]]:
     """{"table" | state name: (directory, row width, dtype)} of one layer."""
     out = {"table": (os.path.join(root, f"layer_{layer}"), dim, np.dtype(np.float32))}
-    for name, (width, dtype) in _state_shapes(kind, 1, dim).items():
+    for name, (width, dtype) in _state_shapes(kind, dim).items():
         out[name] = (os.path.join(root, f"layer_{layer}.{name}"), width, dtype)
     return out
 
@@ -128,11 +128,8 @@ def open_table_files(cfg: Config, workdir: str, start: int, tables: dict | None 
 def _at_snapshot(path: str, step: int) -> TableFile:
     """The TableFile at `path` as of snapshot `step` (rebuilt from its log unless it is)."""
     f = TableFile(path)
-    done = f.snapshots()
-    if step not in done:
-        raise FileNotFoundError(f"{path}: no snapshot of step {step} (have {done})")
-    if done[-1] == step and not f.dirty.any():
-        return f  # nothing written since snapshot `step`: the file is that state
+    if _is_at_snapshot(f, step):
+        return f
     f.close()
     fresh = path.rstrip("/") + ".restored"
     shutil.rmtree(fresh, ignore_errors=True)
@@ -143,6 +140,15 @@ def _at_snapshot(path: str, step: int) -> TableFile:
     os.rename(fresh, path)
     shutil.rmtree(old)
     return TableFile(path)
+
+
+def _is_at_snapshot(f: TableFile, step: int) -> bool:
+    """Whether `f` holds exactly its snapshot `step` (its last, nothing written since);
+    raises when the log has no snapshot `step`."""
+    done = f.snapshots()
+    if step not in done:
+        raise FileNotFoundError(f"{f.path}: no snapshot of step {step} (have {done})")
+    return done[-1] == step and not f.dirty.any()
 
 
 def snapshot_all(tables: dict, states: dict, step: int) -> None:
@@ -160,10 +166,7 @@ def read_only_tables(cfg: Config, workdir: str, step: int) -> dict[int, TableFil
     for layer in cfg.model.engram.layer_ids:
         path = os.path.join(root, f"layer_{layer}")
         f = TableFile(path, mode="r")
-        done = f.snapshots()
-        if step not in done:
-            raise FileNotFoundError(f"{path}: no snapshot of step {step} (have {done})")
-        if done[-1] != step or f.dirty.any():
+        if not _is_at_snapshot(f, step):
             f.close()
             copy = f"{path}.step_{step}"
             if not os.path.exists(copy):

@@ -282,6 +282,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     batches = PrefetchingBatches(iterator, prepare)
     writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
     board = TensorBoard(os.path.join(workdir, "tensorboard"), start, main and cfg.train.tensorboard)
+    log = lambda record: (writer.write(record), board.write(record))  # noqa: E731
     profiler = Profiler(cfg.train.profile_steps if main else "", os.path.join(workdir, "profile"))
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
@@ -316,15 +317,13 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                 tps = (step - last_step) * tokens_per_step / (now - last_time)
                 last_time, last_step = now, step
                 record = {"step": step, **metrics, "tokens_per_s": tps, **flops_metrics(cfg, tps)}
-                writer.write(record)
-                board.write(record)
+                log(record)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tps:,.0f}")
             if step % cfg.train.checkpoint_every == 0 or step == steps:
                 save(step)
             if step == steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
                 result = {"step": step, **evaluate(eval_step, mesh, state.params, validation())}
-                writer.write(result)
-                board.write(result)
+                log(result)
                 bar.write(f"step {step}: val_loss {result['val_loss']:.4f}")
             bar.update(1)
             if stop.received is not None:

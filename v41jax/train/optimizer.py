@@ -84,3 +84,9 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params) -> optax.Gradient
     chain = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     chain.append(optax.multi_transform(transforms, labels))
     return optax.chain(*chain)
+
+
+def module_norms(prefix: str, tree: dict) -> dict:
+    """{"<prefix>/<module>": global L2 norm} per top-level entry of a params-shaped tree
+    (embed, block_<i> / layers_<a>_<b> runs, final_norm, head)."""
+    return {f"{prefix}/{name}": optax.tree.norm(sub) for name, sub in tree.items()}

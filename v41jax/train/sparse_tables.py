@@ -28,22 +28,13 @@ from flax import traverse_util
 from v41jax.config import Config
 from v41jax.engram import flat_row_ids, table_optim
 from v41jax.model import engram_ids_key, engram_rows_key
-
-TABLE_LEAF = ("engram", "table")
+from v41jax.model.host_params import TABLE_LEAF
+from v41jax.model.host_params import engram_table_paths as table_paths
+from v41jax.train.optimizer import module_norms
 
 
 def uses_sparse_tables(cfg: Config) -> bool:
     return cfg.model.engram.enabled and cfg.optim.table_optimizer != "adam"
-
-
-def table_paths(params) -> dict[int, tuple]:
-    """{Engram layer index: path of its table in `params`} (paths end in engram/table)."""
-    out = {}
-    for path in traverse_util.flatten_dict(params):
-        if path[-2:] == TABLE_LEAF:
-            block = path[-3]  # Engram layers are never stacked: "block_<layer>"
-            out[int(str(block).rsplit("_", 1)[-1])] = path
-    return out
 
 
 def split_tables(params):
@@ -113,9 +104,8 @@ def _grads_and_dense_update(cfg, forward_loss, optimizer, state, rest, tables, b
         factor = jnp.where(grad_norm < o.grad_clip, 1.0, o.grad_clip / grad_norm)
         g_rest, g_rows = jax.tree.map(lambda g: g * factor, (g_rest, g_rows))
     updates, dense_state = optimizer.update(g_rest, state.opt_state["dense"], rest)
-    norms = {f"grad_norm/{k}": optax.tree.norm(v) for k, v in g_rest.items()}
-    norms |= {f"update_norm/{k}": optax.tree.norm(v) for k, v in updates.items()}
-    norms |= {f"grad_norm/engram_rows_{k}": optax.tree.norm(g) for k, g in g_rows.items()}
+    norms = module_norms("grad_norm", g_rest) | module_norms("update_norm", updates)
+    norms |= module_norms("grad_norm", {f"engram_rows_{k}": g for k, g in g_rows.items()})
     return (
         optax.apply_updates(rest, updates),
         dense_state,

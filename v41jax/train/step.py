@@ -25,7 +25,7 @@ from v41jax.model.layout import unscan_tree
 from v41jax.train.batches import batch_keys
 from v41jax.train.host_tables import uses_host_tables
 from v41jax.train.microbatch import accumulated_grads
-from v41jax.train.optimizer import lr_schedule, schedule_length
+from v41jax.train.optimizer import lr_schedule, module_norms, schedule_length
 from v41jax.train.sparse_tables import host_train_step, sparse_train_step, uses_sparse_tables
 from v41jax.train.state import TrainState
 
@@ -89,12 +89,6 @@ def _forward_loss(model, params, batch, z_loss):
             mhc_backward_gain=gains["backward_amax"],
         )
     return loss, metrics
-
-
-def module_norms(prefix: str, tree: dict) -> dict[str, jax.Array]:
-    """{"<prefix>/<module>": global L2 norm} per top-level module of a params-shaped tree
-    (embed, block_<i> / layers_<a>_<b> runs, final_norm, head)."""
-    return {f"{prefix}/{name}": optax.tree.norm(sub) for name, sub in tree.items()}
 
 
 def _h_res_in_depth_order(intermediates: dict, num_layers: int) -> list:
