@@ -91,7 +91,9 @@ def cmd_generate(args) -> int:
         padded[i, : len(e)] = e
     knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if args.drafter:
-        out = _generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed)
+        from v41jax.dspark.cli import generate_with_drafter
+
+        out = generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed)
     else:
         out = generate(
             run.params,
@@ -111,52 +113,6 @@ def cmd_generate(args) -> int:
         print(f"--- step {run.step} | {prompt!r}")
         print(prompt + run.tokenizer.decode(ids))
     return 0
-
-
-def _generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed):
-    import jax
-    import numpy as np
-
-    from v41jax.dspark.drafter import frozen_target
-    from v41jax.dspark.engine import dspark_generate, load_or_measure_cost
-    from v41jax.dspark.train import load_drafter
-
-    dcfg, dparams, _ = load_drafter(args.drafter, target=run)
-    cost = None
-    if args.schedule == "scheduled":
-        cost = load_or_measure_cost(
-            args.drafter,
-            run.params,
-            run.cfg.model,
-            dparams,
-            dcfg.drafter,
-            len(lengths),
-            compression=run.compression.table,
-        )
-    out = dspark_generate(
-        run.params,
-        run.cfg.model,
-        dparams,
-        dcfg.drafter,
-        frozen_target(run.params, run.cfg.model),
-        padded,
-        lengths,
-        max_new_tokens=max_new,
-        mode=args.schedule,
-        verify_len=args.verify_len,
-        cost=cost,
-        rng=jax.random.PRNGKey(seed),
-        compression=run.compression.table,
-        **knobs,
-    )
-    active = np.asarray(out.active)
-    emitted = (np.asarray(out.accepted) + 1)[active].sum()
-    print(
-        f"drafter {args.drafter}: {emitted / max(active.sum(), 1):.2f} tokens per round "
-        f"({args.schedule})",
-        file=sys.stderr,
-    )
-    return out.tokens
 
 
 def cmd_train_drafter(args) -> int:
