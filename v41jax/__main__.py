@@ -1,6 +1,7 @@
-"""Command line: `python -m v41jax {train,eval,generate,train-drafter,bench,sweep,report} ...`.
+"""Command line: `python -m v41jax {train,prepare-data,eval,generate,train-drafter,...} ...`.
 
     python -m v41jax train --config tiny --workdir runs/tiny --set train.steps=24
+    python -m v41jax prepare-data --config tiny --out data/tiny  # then --set data.token_dir=...
     python -m v41jax eval --workdir runs/tiny
     python -m v41jax generate --workdir runs/tiny --prompt "The state of the Union"
     python -m v41jax train-drafter --target-workdir runs/tiny --workdir runs/tiny_drafter
@@ -57,6 +58,16 @@ def cmd_train(args) -> int:
     cfg = _load_config(args)
     result = train(cfg, args.workdir, progress=not args.no_progress)
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_prepare_data(args) -> int:
+    from v41jax.data import Tokenizer, write_token_dir
+
+    cfg = config_lib.override(config_lib.get_config(args.config or "small"), args.overrides)
+    tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else None
+    out = write_token_dir(cfg, args.out, tokenizer=tokenizer, show_progress=not args.no_progress)
+    print(json.dumps({k: out[k] for k in ("dtype", "tokenizer_sha256", "splits")}, indent=2))
     return 0
 
 
@@ -237,6 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", required=True)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("prepare-data", help="tokenize the corpus once into a token-file folder")
+    _add_config_args(p)  # without --config: small
+    p.add_argument("--out", required=True, help="a new folder; train with data.token_dir=OUT")
+    p.add_argument("--tokenizer", help="a tokenizer.json to use (e.g. a run's, to fine-tune it)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_prepare_data)
 
     p = sub.add_parser("eval", help="validation loss of the latest checkpoint in --workdir")
     p.add_argument("--workdir", required=True)

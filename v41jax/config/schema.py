@@ -45,6 +45,9 @@ class DataConfig:
     seed: int = 0
     cache_dir: str = ""  # "" -> $V41JAX_CACHE or ~/.cache/v41jax
     max_documents: int = 0  # 0 -> all; tests use a few documents
+    # a `python -m v41jax prepare-data` folder: training reads its memmapped token file
+    # instead of tokenizing `paths` (whose settings it must have been prepared with)
+    token_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,10 @@ def validate(cfg: Config) -> None:
     _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be > 0")
     _require(d.global_batch_size > 0, f"data.global_batch_size={d.global_batch_size} must be > 0")
     _require(0.0 < d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _require(
+        d.token_dir == d.token_dir.strip(),
+        f"data.token_dir={d.token_dir!r} has leading or trailing spaces",
+    )
     _require(t.steps > 0, f"train.steps={t.steps} must be > 0")
     for name in ("log_every", "checkpoint_every", "keep_checkpoints", "eval_batches"):
         _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be > 0")

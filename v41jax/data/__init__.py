@@ -1,6 +1,6 @@
 """Data layer: corpus loading and splitting, byte-level BPE tokenizer, Engram tokenizer
-compression, and packed, sharded, resumable batches. Depends on nothing else in v41jax but
-`v41jax.config`."""
+compression, packed, sharded, resumable batches, and token files (memmaps read by offset).
+Depends on nothing else in v41jax but `v41jax.config`."""
 
 from v41jax.data.compression import (
     CompressionTable,
@@ -23,6 +23,13 @@ from v41jax.data.pipeline import (
     prepare_data,
     segment_ids_and_positions,
 )
+from v41jax.data.token_files import (
+    DocumentIndex,
+    load_data,
+    load_token_dir,
+    read_manifest,
+    write_token_dir,
+)
 from v41jax.data.tokenizer import (
     EOS_ID,
     EOS_TOKEN,
@@ -37,6 +44,7 @@ __all__ = [
     "BatchIterator",
     "CompressionTable",
     "Document",
+    "DocumentIndex",
     "PreparedData",
     "Tokenizer",
     "build_compression_table",
@@ -44,12 +52,16 @@ __all__ = [
     "default_cache_dir",
     "default_corpus_dir",
     "eval_batches",
+    "load_data",
     "load_documents",
     "load_or_train_tokenizer",
+    "load_token_dir",
     "normalize_token_text",
     "prepare_data",
+    "read_manifest",
     "resolve_cache_dir",
     "segment_ids_and_positions",
     "split_documents",
     "train_tokenizer",
+    "write_token_dir",
 ]

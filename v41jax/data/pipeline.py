@@ -7,7 +7,8 @@ tokenizer and the split's content, so a warm start only reads two .npz files.
 
 `BatchIterator` cuts a stream into windows of seq_len + 1 tokens with stride seq_len (every token
 after the first is a target exactly once per epoch) and serves a shuffled global batch per step
-as a pure function of the step, so its whole state is the step number.
+as a pure function of the step, so its whole state is the step number. It reads only the rows
+it serves, so the streams may be memmaps of a token file (`v41jax.data.token_files`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ class PreparedData:
     val_segments: np.ndarray
     num_train_docs: int
     num_val_docs: int
+    corpus_sha256: str = ""  # of the documents' names and texts (after max_documents)
+    # `stream_sha256` of the train split when known without reading it (a token file's)
+    train_sha256: str | None = None
 
 
 def _docs_hash(docs: Sequence[Document]) -> str:
@@ -62,6 +66,29 @@ def _docs_hash(docs: Sequence[Document]) -> str:
             h.update(len(part).to_bytes(8, "little"))
             h.update(part)
     return h.hexdigest()
+
+
+def stream_sha256(tokens: np.ndarray, segments: np.ndarray) -> str:
+    """Identity of a split: sha256 of its tokens then its document index, both as int32 [N]
+    (checkpoints record it, so a run resumes only on the data it trained on)."""
+    h = hashlib.sha256(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+    h.update(np.ascontiguousarray(segments, dtype=np.int32).tobytes())
+    return h.hexdigest()[:16]
+
+
+def check_split_sizes(cfg: DataConfig, split: str, num_tokens: int, num_docs: int) -> None:
+    """Raise unless `split` ("train" or "validation") holds one global batch of windows."""
+    hint = "more documents (data.paths/max_documents)"
+    if split == "validation":
+        hint = "a larger data.val_fraction, more documents"
+    windows = max(num_tokens - 1, 0) // cfg.seq_len
+    if windows < cfg.global_batch_size:
+        raise ValueError(
+            f"the {split} split has {num_tokens} tokens in {num_docs} documents: "
+            f"{windows} sequences of data.seq_len={cfg.seq_len}, fewer than one batch of "
+            f"data.global_batch_size={cfg.global_batch_size}; use {hint}, or a smaller "
+            "seq_len or global_batch_size"
+        )
 
 
 def _segments_from_lengths(doc_lengths: np.ndarray) -> np.ndarray:
@@ -140,18 +167,8 @@ def prepare_data(
     val_tokens, val_segments = _load_or_tokenize(
         tokenizer, val_docs, cache_dir, "tokenize val", show_progress
     )
-    for split, tokens, num_docs, hint in (
-        ("train", train_tokens, len(train_docs), "more documents (data.paths/max_documents)"),
-        ("validation", val_tokens, len(val_docs), "a larger data.val_fraction, more documents"),
-    ):
-        windows = max(len(tokens) - 1, 0) // cfg.seq_len
-        if windows < cfg.global_batch_size:
-            raise ValueError(
-                f"the {split} split has {len(tokens)} tokens in {num_docs} documents: "
-                f"{windows} sequences of data.seq_len={cfg.seq_len}, fewer than one batch of "
-                f"data.global_batch_size={cfg.global_batch_size}; use {hint}, or a smaller "
-                "seq_len or global_batch_size"
-            )
+    check_split_sizes(cfg, "train", len(train_tokens), len(train_docs))
+    check_split_sizes(cfg, "validation", len(val_tokens), len(val_docs))
     return PreparedData(
         tokenizer=tokenizer,
         compression=build_compression_table(tokenizer),
@@ -161,6 +178,7 @@ def prepare_data(
         val_segments=val_segments,
         num_train_docs=len(train_docs),
         num_val_docs=len(val_docs),
+        corpus_sha256=_docs_hash(docs),
     )
 
 
@@ -190,7 +208,12 @@ class BatchIterator:
     num_windows % global_batch_size windows of each epoch's order are left out of that epoch
     only. Since the order is reshuffled every epoch, no window is permanently excluded.
     This process gets rows [process_index*b, (process_index+1)*b) of each global batch,
-    b = global_batch_size // process_count.
+    b = global_batch_size // process_count, and reads only those rows' tokens.
+
+    `tokens`: int [N] (an array or a read-only memmap: never copied whole). `segments`: the
+    document index int [N] of each token, as an array or any object with `.shape == (N,)` and
+    integer-array indexing (a token file's `DocumentIndex`). `data_sha256`: the streams'
+    `stream_sha256` when known (a token file's manifest); None hashes them on first `state()`.
     """
 
     def __init__(
@@ -203,8 +226,12 @@ class BatchIterator:
         process_index: int = 0,
         process_count: int = 1,
         shuffle: bool = True,
+        *,
+        data_sha256: str | None = None,
     ):
-        tokens, segments = np.asarray(tokens), np.asarray(segments)
+        tokens = np.asarray(tokens)  # a memmap stays a view of its file: nothing is read
+        if not hasattr(segments, "shape"):
+            segments = np.asarray(segments)
         if tokens.ndim != 1 or tokens.shape != segments.shape:
             raise ValueError(
                 f"tokens and segments must be 1-D of equal length, got {tokens.shape} "
@@ -238,7 +265,7 @@ class BatchIterator:
         self.batches_per_epoch = self.num_windows // global_batch_size
         self.step = 0
         self._perm: tuple[int, np.ndarray] | None = None  # (epoch, order) of the last epoch used
-        self._data_hash: str | None = None
+        self._data_hash = data_sha256
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -282,9 +309,7 @@ class BatchIterator:
 
     def _fingerprint(self) -> dict[str, Any]:
         if self._data_hash is None:
-            h = hashlib.sha256(np.ascontiguousarray(self.tokens, dtype=np.int32).tobytes())
-            h.update(np.ascontiguousarray(self.segments, dtype=np.int32).tobytes())
-            self._data_hash = h.hexdigest()[:16]
+            self._data_hash = stream_sha256(self.tokens, self.segments)
         return {
             "seed": self.seed,
             "seq_len": self.seq_len,

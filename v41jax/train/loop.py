@@ -35,7 +35,7 @@ from v41jax.data import (
     PreparedData,
     Tokenizer,
     eval_batches,
-    prepare_data,
+    load_data,
 )
 from v41jax.model import convert_layout, layer_segments
 from v41jax.model.host_params import host_table_arrays
@@ -130,7 +130,7 @@ def _prepare(cfg: Config, workdir: str, progress: bool) -> PreparedData:
     source = workdir if os.path.exists(os.path.join(workdir, "tokenizer.json")) else None
     source = source or cfg.train.init_from
     tokenizer = Tokenizer.load(os.path.join(source, "tokenizer.json")) if source else None
-    data = prepare_data(cfg.data, show_progress=progress, tokenizer=tokenizer)
+    data = load_data(cfg.data, show_progress=progress, tokenizer=tokenizer)  # or token_dir
     if data.tokenizer.vocab_size != cfg.model.vocab_size:
         where = f" (the tokenizer of {source})" if source else ""
         raise ValueError(
@@ -250,6 +250,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
         cfg.data.seed,
         jax.process_index(),
         jax.process_count(),
+        data_sha256=data.train_sha256,  # a token dir's, from its manifest: nothing is read
     )
     start, host, source_tables = checkpointer.latest_step(), None, None
     if start is None:
@@ -348,7 +349,7 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
 def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = False) -> dict:
     """Validation loss of the latest checkpoint in `workdir`."""
     run = load_run(workdir)
-    data = prepare_data(run.cfg.data, show_progress=progress, tokenizer=run.tokenizer)
+    data = load_data(run.cfg.data, show_progress=progress, tokenizer=run.tokenizer)
     eval_step = make_eval_step(run.cfg, run.mesh, run.model, run.param_shardings)
     val = validation_batches(run.cfg, data, num_batches or run.cfg.train.eval_batches)
     return {"step": run.step, **evaluate(eval_step, run.mesh, run.params, val)}
