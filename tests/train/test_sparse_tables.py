@@ -124,8 +124,9 @@ def test_row_sharded_sparse_training_matches_one_device(tmp_path):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (conftest)")
 def test_row_sharded_step_moves_no_table_sized_array():
     """Compiled on 8 devices with the tables row-sharded, no collective of the sparse step
-    carries an array with the table's row count: each device gathers, differentiates and
-    updates the rows it owns (and their optimizer state) in place."""
+    carries an array with the table's row count, nor one with the batch's id count (the
+    global [N, C] row gradient): rows and their gradients travel by all-to-all in [S, C_x]
+    blocks, and each owner updates its rows (and their optimizer state) in place."""
     import re
 
     from v41jax import sharding
@@ -147,5 +148,7 @@ def test_row_sharded_step_moves_no_table_sized_array():
                      line)
     ]  # fmt: skip
     assert collectives  # the dense params' gradients are reduced
-    shard = rows // 8
-    assert not [c for c in collectives if re.search(rf"\[({rows}|{shard}),", c)], collectives
+    shard, n_ids = rows // 8, batch["engram_ids_1"].size
+    sizes = rf"\[({rows}|{shard}|{n_ids})[,\]]"
+    assert not [c for c in collectives if re.search(sizes, c)], collectives
+    assert [c for c in collectives if " all-to-all(" in c and "s32[" in c]  # row requests

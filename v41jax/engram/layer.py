@@ -215,6 +215,8 @@ def engram_forward(
     rows_UxC: rows already read from the table (row-sparse training, host tables): then
     `hash_ids_BxTxH` are slots into them, e = concat_h rows[slots[..., h]], and params need
     no `table` (the gradient of e reaches only these U rows, `v41jax.engram.table_optim`).
+    Or [B, T, H*C]: every position's rows, e itself (row-sharded sparse training, where the
+    rows arrive by all-to-all, `v41jax.engram.sharded_update`); the ids are then unused.
 
     hash_ids_BxTxH: local per-head ids in [0, prime_h) from `ngram_hash_ids`.
     lookup: `(table, flat_ids, row_scale) -> e f32 [B, T, E]`; default `default_lookup`
@@ -225,9 +227,13 @@ def engram_forward(
     ValueError on a layer_id without Engram, a bad h rank, or hash ids that are not [B, T, H].
     """
     if rows_UxC is not None:
-        if rows_UxC.ndim != 2 or rows_UxC.shape[1] != cfg.head_dim:
+        per_position = (*hash_ids_BxTxH.shape[:2], hash_ids_BxTxH.shape[-1] * cfg.head_dim)
+        if rows_UxC.ndim == 3 and rows_UxC.shape == per_position:
+            lookup = lambda rows, ids, scale: rows  # noqa: E731  (e was read already)
+        elif rows_UxC.ndim != 2 or rows_UxC.shape[1] != cfg.head_dim:
             raise ValueError(
-                f"Engram: gathered rows must be [U, head_dim={cfg.head_dim}]; got {rows_UxC.shape}"
+                f"Engram: gathered rows must be [U, head_dim={cfg.head_dim}] or [B, T, H*C] ="
+                f" {per_position}; got {rows_UxC.shape}"
             )
         params = {**params, "table": rows_UxC}
         lookup = lookup or functools.partial(engram_lookup, impl="reference")
@@ -298,7 +304,8 @@ class Engram(nn.Module):
         """h [B, T, D] (needs num_branches == 1) or [B, T, M, D]; ids int [B, T, H].
 
         rows_UxC: the rows read from the table outside the module (row-sparse training,
-        host tables); then ids are slots into them and the module declares no `table`."""
+        host tables): [U, C] with ids as slots into them, or [B, T, H*C] per position; the
+        module then declares no `table`."""
         cfg, d, m = self.cfg, self.hidden_size, self.num_branches
         if self.layer_id not in cfg.layer_ids:
             raise ValueError(f"Engram: layer_id={self.layer_id} not in layer_ids={cfg.layer_ids}")

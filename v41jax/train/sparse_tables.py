@@ -16,6 +16,12 @@ and a step, per Engram layer with flat row ids x [B, T, H]:
 so no array of the table's size is read, written or differentiated except in place. The
 global-norm clip covers the other params' gradients and g_e together, as dense training's
 clip covers the dense table gradient (whose only non-zero rows are g_e).
+
+Under a mesh that splits the tables' rows over every device (`engram_rows` in the sharding
+rules), each layer instead reads e = T[x] [B, T, H C] by all-to-all from the row owners, and
+its gradient goes back the same way: each owner sums every source's cotangents for its rows
+and updates its own shard of the table and of the optimizer state in place
+(`v41jax.engram.sharded_update`), so no device holds another shard's rows or gradients.
 """
 
 from __future__ import annotations
@@ -25,8 +31,16 @@ import jax.numpy as jnp
 import optax
 from flax import traverse_util
 
+from v41jax import sharding
 from v41jax.config import Config
 from v41jax.engram import flat_row_ids, table_optim
+from v41jax.engram.sharded import ENGRAM_ROW_AXIS
+from v41jax.engram.sharded_update import (
+    owner_gradients,
+    row_shard_plan,
+    sharded_rows,
+    sharded_sparse_update,
+)
 from v41jax.model import engram_ids_key, engram_rows_key
 from v41jax.model.host_params import TABLE_LEAF
 from v41jax.model.host_params import engram_table_paths as table_paths
@@ -65,13 +79,32 @@ def table_state_shardings(table_states: dict, param_shardings) -> dict:
     return {k: {name: by_key[k] for name in st} for k, st in table_states.items()}
 
 
-def gather_rows(cfg: Config, tables: dict, batch: dict):
-    """{layer: (rows u [N], slots [B, T, H], e [N, C])} for every Engram layer of `batch`."""
-    engram = cfg.model.engram
+def row_shard_plans(cfg: Config, tables: dict, batch_size: int) -> dict:
+    """{layer: exchange plan} for the layers whose table the active mesh splits by rows over
+    all its devices (`row_shard_plan`); empty outside a mesh or on one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return {}
+    row_axes, batch_axes = sharding.mesh_axes_of(ENGRAM_ROW_AXIS), sharding.BATCH_MESH_AXES
+    plans = {}
+    for layer, path in table_paths(traverse_util.unflatten_dict(tables)).items():
+        plan = row_shard_plan(mesh, tables[path].shape, batch_size, row_axes, batch_axes)
+        if plan is not None:
+            plans[layer] = plan
+    return plans
+
+
+def gather_rows(cfg: Config, tables: dict, batch: dict, plans: dict | None = None):
+    """{layer: (rows u [N], slots [B, T, H], e [N, C])} for every Engram layer of `batch`;
+    a layer with a plan (`row_shard_plans`) gets (flat ids [B, T, H], None, e [B, T, H C])."""
+    engram, plans = cfg.model.engram, plans or {}
     out = {}
     for layer, path in table_paths(traverse_util.unflatten_dict(tables)).items():
         table = tables[path]
         ids = flat_row_ids(engram, layer, batch[engram_ids_key(layer)])
+        if layer in plans:
+            out[layer] = (ids, None, sharded_rows(plans[layer], table, ids))
+            continue
         rows, slots = table_optim.unique_rows(ids, table.shape[0])
         out[layer] = (rows, slots, table.at[rows].get(mode="fill", fill_value=0))
     return out
@@ -81,15 +114,21 @@ def with_rows(batch: dict, gathered: dict, rows_e: dict) -> dict:
     """The batch as the model reads it: ids replaced by slots, plus the gathered rows."""
     batch = dict(batch)
     for layer, (_, slots, _) in gathered.items():
-        batch[engram_ids_key(layer)] = slots
+        if slots is not None:  # per-position rows keep the ids
+            batch[engram_ids_key(layer)] = slots
         batch[engram_rows_key(layer)] = rows_e[layer]
     return batch
 
 
-def _grads_and_dense_update(cfg, forward_loss, optimizer, state, rest, tables, batch, rows_e):
+def _grads_and_dense_update(
+    cfg, forward_loss, optimizer, state, rest, tables, batch, rows_e, owners=None
+):
     """Loss gradients of the other params and of the gathered rows, clipped together
-    (optax.clip_by_global_norm's rule), and the optax update of the other params."""
-    o = cfg.optim
+    (optax.clip_by_global_norm's rule), and the optax update of the other params.
+
+    owners: {layer: (plan, flat ids)} for per-position rows; their gradients become the
+    owners' row gradients (`owner_gradients`) before the norm, returned as {layer: rows}."""
+    o, owner_rows = cfg.optim, {}
 
     def loss_fn(rest, rows_e):
         batch_e = dict(batch)
@@ -99,6 +138,8 @@ def _grads_and_dense_update(cfg, forward_loss, optimizer, state, rest, tables, b
 
     grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)
     (_, metrics), (g_rest, g_rows) = grad_fn(rest, rows_e)
+    for layer, (plan, ids) in (owners or {}).items():
+        owner_rows[layer], g_rows[layer] = owner_gradients(plan, ids, g_rows[layer])
     grad_norm = optax.tree.norm((g_rest, g_rows))
     if o.grad_clip > 0:
         factor = jnp.where(grad_norm < o.grad_clip, 1.0, o.grad_clip / grad_norm)
@@ -111,6 +152,7 @@ def _grads_and_dense_update(cfg, forward_loss, optimizer, state, rest, tables, b
         dense_state,
         g_rows,
         dict(metrics, grad_norm=grad_norm, **norms),
+        owner_rows,
     )
 
 
@@ -121,7 +163,7 @@ def host_train_step(cfg: Config, forward_loss, optimizer, schedule):
 
     def train_step(state, batch):
         rows_e = {layer: batch[engram_rows_key(layer)] for layer in cfg.model.engram.layer_ids}
-        rest, dense_state, g_rows, metrics = _grads_and_dense_update(
+        rest, dense_state, g_rows, metrics, _ = _grads_and_dense_update(
             cfg, forward_loss, optimizer, state, state.params, {}, batch, rows_e
         )
         new_state = state.replace(
@@ -145,28 +187,28 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule):
 
     def train_step(state, batch):
         rest, tables = split_tables(state.params)
-        gathered = gather_rows(cfg, tables, batch)
+        plans = row_shard_plans(cfg, tables, next(iter(batch.values())).shape[0])
+        gathered = gather_rows(cfg, tables, batch, plans)
         rows_e = {layer: e for layer, (_, _, e) in gathered.items()}
-        rest, dense_state, g_rows, metrics = _grads_and_dense_update(
+        owners = {layer: (plan, gathered[layer][0]) for layer, plan in plans.items()}
+        rest, dense_state, g_rows, metrics, owner_rows = _grads_and_dense_update(
             cfg, forward_loss, optimizer, state, rest, tables,
-            with_rows(batch, gathered, rows_e), rows_e,
+            with_rows(batch, gathered, rows_e), rows_e, owners,
         )  # fmt: skip
         lr = schedule(state.step) * engram.table_lr_scale
+        hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=engram.table_weight_decay)
         new_tables, table_states = dict(tables), dict(state.opt_state["tables"])
         paths = table_paths(traverse_util.unflatten_dict(tables))
         for layer, (rows, _, _) in gathered.items():
-            path = paths[layer]
-            new_tables[path], table_states[state_key(path)] = table_optim.sparse_update(
-                kind,
-                tables[path],
-                state.opt_state["tables"][state_key(path)],
-                rows,
-                g_rows[layer],
-                lr,
-                b1=o.b1,
-                b2=o.b2,
-                eps=o.eps,
-                weight_decay=engram.table_weight_decay,
+            path, key = paths[layer], state_key(paths[layer])
+            if layer in plans:  # each owner updates its own shard with what it received
+                new_tables[path], table_states[key] = sharded_sparse_update(
+                    plans[layer], kind, tables[path], table_states[key],
+                    owner_rows[layer], g_rows[layer], lr, **hyper,
+                )  # fmt: skip
+                continue
+            new_tables[path], table_states[key] = table_optim.sparse_update(
+                kind, tables[path], table_states[key], rows, g_rows[layer], lr, **hyper
             )
         opt_state = {"dense": dense_state, "tables": table_states}
         new_state = state.replace(
