@@ -7,6 +7,7 @@
     python -m v41jax train-drafter --target-workdir runs/tiny --workdir runs/tiny_drafter
     python -m v41jax generate --workdir runs/tiny --drafter runs/tiny_drafter --schedule scheduled
     python -m v41jax bench train --json bench.json
+    python -m v41jax plan --config 1b --mesh data=1,fsdp=8,tensor=1 --platform tpu  # will it fit?
     python -m v41jax sweep experiments/engram_vs_ffn/config.py --setting mini
     python -m v41jax report experiments/engram_vs_ffn
 
@@ -306,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_bench)
 
+    # listed here; `main` hands its arguments to v41jax.train.plan_cli's own parser
+    sub.add_parser("plan", help="will it fit? per-device bytes, FLOPs, MFU bound (plan --help)")
+
     p = sub.add_parser(
         "sweep", help="run (or continue) a sweep file's grid: each run in its own workdir"
     )
@@ -348,6 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # its parser loads jax and the train stack: only when asked
+        from v41jax.train.plan_cli import main as plan_main
+
+        return plan_main(argv)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
