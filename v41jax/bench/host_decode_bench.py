@@ -1,8 +1,9 @@
 """Decode tokens/s with Engram tables on the device, in host memory, and in a memory-mapped file.
 
-One model, three placements of the same table values: `device` (a param), `host` (a
-`HostTable` in RAM, read by a host callback inside the decode step: `HostRows`) and `file`
-(a `TableFile` on disk, the same callback). `generate` decodes `--new` tokens after a
+One model, four placements of the same table values: `device` (a param), `host` (a
+`HostTable` in RAM, read inside the decode step: `HostRows`; natively on CPU,
+`v41jax.kernels.host_gather`), `host_callback` (the same table read by a `jax.pure_callback`,
+the path GPU/TPU backends take) and `file` (a `TableFile` on disk, read like `host`). `generate` decodes `--new` tokens after a
 `--prompt`-token prompt at each batch size; the placements run interleaved, one call each
 per pass, so they share the machine's state; the median and fastest pass are reported, and
 `ratio` = host (or file) tokens/s over device tokens/s of the same batch in the same run,
@@ -26,12 +27,13 @@ import numpy as np
 from v41jax.bench.common import format_table, machine_info, positive_int, write_json
 from v41jax.config import ModelConfig
 from v41jax.engram import EngramConfig
+from v41jax.engram.host_rows import HostRows
 from v41jax.engram.host_table import HostTable
 from v41jax.engram.table_file import create_table_file
 from v41jax.model import generate, init_params
 from v41jax.model.host_params import engram_tables, tables_on_host
 
-PLACEMENTS = ("device", "host", "file")
+PLACEMENTS = ("device", "host", "host_callback", "file")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -82,6 +84,9 @@ def placements(params, cfg: ModelConfig, file_dir: str) -> dict:
     return {
         "device": params,
         "host": tables_on_host(params, cfg, {k: HostTable(v) for k, v in tables.items()}),
+        "host_callback": tables_on_host(
+            params, cfg, {k: HostRows(HostTable(v), allow_native=False) for k, v in tables.items()}
+        ),
         "file": tables_on_host(params, cfg, files),
     }
 

@@ -9,7 +9,10 @@ its rows through a host callback inside the compiled program:
     e[b, t] = concat_h source[flat_ids[b, t, h]]        float32 [B, T, H*C]
 
 `source` is a `HostTable` (numpy, optionally FP8 with row or block scales), a `TableFile`
-(memory-mapped, larger than RAM) or a numpy array. The callback's only input is the ids,
+(memory-mapped, larger than RAM) or a numpy array. On the CPU backend the read is a native
+XLA FFI call (`v41jax.kernels.host_gather`: no trip into Python, bitwise the same rows) for
+every source it can address directly (numpy arrays, `HostTable`s, fully written
+`TableFile`s); otherwise, and on GPU/TPU, a `jax.pure_callback`. The read's only input is the ids,
 which a decode step computes from the tokens before block 0, so XLA is free to run the
 host gather while the blocks before the first Engram layer compute (V4.1 overlaps the
 prefetch with block 1); whether it overlaps is the runtime's choice, and the decode
@@ -27,17 +30,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from v41jax.kernels import host_gather
+
 
 class HostRows:
     """A read-only table [num_rows, dim] in host memory or a file, read by `lookup`.
 
     source: `HostTable`, `TableFile` or a numpy array [R, C] (any float dtype; rows are
-    returned as float32). Hashable by identity: two HostRows are the same static value only
+    returned as float32). allow_native=False always reads by callback (benchmarks, tests). Hashable by identity: two HostRows are the same static value only
     if they are the same object, so a jitted function compiles once per table.
     """
 
-    def __init__(self, source):
-        self.source = source
+    def __init__(self, source, allow_native: bool = True):
+        self.source, self.allow_native = source, allow_native
         if isinstance(source, np.ndarray):
             if source.ndim != 2:
                 raise ValueError(f"HostRows: table must be [R, C], got shape {source.shape}")
@@ -51,6 +56,16 @@ class HostRows:
                 f"HostRows: source must be a HostTable, a TableFile or a numpy array, "
                 f"got {type(source).__name__}"
             )
+
+    def native(self) -> host_gather.NativeTable | None:
+        """The source as the native gather reads it, or None (callback) where it cannot:
+        not on CPU, turned off, a layout it does not read, or a lazy `TableFile` with rows
+        never written (their values are computed on the host)."""
+        if not self.allow_native or not host_gather.available():
+            return None
+        if not hasattr(self, "_native"):
+            self._native = _native_form(self.source)
+        return self._native
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -84,6 +99,9 @@ class HostRows:
             ids = np.asarray(ids)
             return self.read(ids).reshape(*ids.shape[:-1], ids.shape[-1] * self.dim)
 
+        native = self.native()
+        if native is not None:
+            return host_gather.gather(native, flat_ids_BxTxH).reshape(out.shape)
         # the rows are a pure function of the ids: a batched call reads the stacked ids
         return jax.pure_callback(host_read, out, flat_ids_BxTxH, vmap_method="expand_dims")
 
@@ -96,9 +114,14 @@ jax.tree_util.register_static(HostRows)
 
 def read_host_rows(refs: dict, flat_ids: dict) -> dict:
     """{layer: rows float32 [N, C]} for {layer: HostRows} and {layer: flat ids [B, T, H]}
-    (N = B T H, row n is ids.ravel()[n]): every layer's rows in ONE host callback, whose
-    fixed cost (a trip into Python) is then paid once per forward, not once per layer."""
-    layers = sorted(refs)
+    (N = B T H, row n is ids.ravel()[n]): natively where `HostRows.native` allows, the
+    other layers' rows in ONE host callback, whose fixed cost (a trip into Python) is then
+    paid once per forward, not once per layer."""
+    native = {k: refs[k].native() for k in refs}
+    rows = {k: host_gather.gather(t, flat_ids[k].reshape(-1)) for k, t in native.items() if t}
+    layers = sorted(k for k in refs if k not in rows)
+    if not layers:
+        return rows
     out = tuple(jax.ShapeDtypeStruct((flat_ids[k].size, refs[k].dim), jnp.float32) for k in layers)
 
     def host_read(*ids):
@@ -108,7 +131,26 @@ def read_host_rows(refs: dict, flat_ids: dict) -> dict:
     got = jax.pure_callback(
         host_read, out, *(flat_ids[k] for k in layers), vmap_method="sequential"
     )
-    return dict(zip(layers, got, strict=True))
+    return rows | dict(zip(layers, got, strict=True))
+
+
+def _native_form(src) -> host_gather.NativeTable | None:
+    if isinstance(src, np.ndarray):
+        return host_gather.NativeTable.from_arrays(src)
+    if hasattr(src, "table"):  # HostTable
+        scale = src.block_exp if src.block_exp is not None else src.scale
+        return host_gather.NativeTable.from_arrays(src.table, scale)
+    if src.lazy and not _all_written(src.touched, src.num_rows):
+        return None
+    return host_gather.NativeTable.from_arrays(src.data, src.scale if src.fp8 else None)
+
+
+def _all_written(bitmap: np.ndarray, num_rows: int) -> bool:
+    """Every bit of rows [0, num_rows) set in a TableFile's touched bitmap."""
+    full, tail = divmod(num_rows, 8)
+    return bool(np.all(bitmap[:full] == 0xFF)) and (
+        tail == 0 or (int(bitmap[full]) & ((1 << tail) - 1)) == (1 << tail) - 1
+    )
 
 
 def is_host_rows(x) -> bool:
