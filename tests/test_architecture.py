@@ -18,7 +18,7 @@ LAYERS = [
     "kernels",
     "engram",
     "mhc",
-    "spec",
+    "speculative",
     "model",
     "train",
     "dspark",

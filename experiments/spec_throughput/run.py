@@ -38,7 +38,7 @@ from v41jax.bench.common import time_call  # noqa: E402
 from v41jax.data import prepare_data  # noqa: E402
 from v41jax.model import generate, sampling_probs, speculative_generate  # noqa: E402
 from v41jax.model.speculative import extend  # noqa: E402
-from v41jax.spec import (  # noqa: E402
+from v41jax.speculative import (  # noqa: E402
     expected_tokens_per_round,
     speculative_sample,
     walltime_speedup_measured,

@@ -11,7 +11,7 @@ import pytest
 
 from v41jax.dspark.replay import oracle_widths, replay_policies, stack_rounds
 from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
-from v41jax.spec import speculative_sample
+from v41jax.speculative import speculative_sample
 
 
 def random_log(r=6, b=4, k=3, seed=0):

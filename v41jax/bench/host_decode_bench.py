@@ -3,11 +3,12 @@
 One model, four placements of the same table values: `device` (a param), `host` (a
 `HostTable` in RAM, read inside the decode step: `HostRows`; natively on CPU,
 `v41jax.kernels.host_gather`), `host_callback` (the same table read by a `jax.pure_callback`,
-the path GPU/TPU backends take) and `file` (a `TableFile` on disk, read like `host`). `generate` decodes `--new` tokens after a
-`--prompt`-token prompt at each batch size; the placements run interleaved, one call each
-per pass, so they share the machine's state; the median and fastest pass are reported, and
-`ratio` = host (or file) tokens/s over device tokens/s of the same batch in the same run,
-`extra_ms_per_step` the added time per decode step (the host read's fixed cost).
+the path GPU/TPU backends take) and `file` (a `TableFile` on disk, read like `host`).
+`generate` decodes `--new` tokens after a `--prompt`-token prompt at each batch size; the
+placements run interleaved, one call each per pass, so they share the machine's state; the
+median and fastest pass are reported, and `ratio` = host (or file) tokens/s over device
+tokens/s of the same batch in the same run, `extra_ms_per_step` the added time per decode
+step (the host read's fixed cost).
 Greedy outputs are checked equal across placements (the rows are the same bits).
 
     python -m v41jax.bench host_decode --json experiments/benchmarks/host_decode.json

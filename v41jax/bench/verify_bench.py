@@ -33,7 +33,7 @@ from v41jax.kernels.spec_verify.reference import (
     count_accepted,
     draft_token_probs,
 )
-from v41jax.spec import speculative_sample
+from v41jax.speculative import speculative_sample
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

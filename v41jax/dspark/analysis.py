@@ -11,7 +11,7 @@ An active row-round emits A + 1 tokens. Draft j (1-based) was reached iff j <= L
 and accepted iff A >= j. From these:
 
     alpha_j  = #accepted_j / #reached_j                         (conditional acceptance, [K])
-    E[A + 1] = 1 + sum_{j=1..k} prod_{i<=j} alpha_i             (`v41jax.spec.throughput`)
+    E[A + 1] = 1 + sum_{j=1..k} prod_{i<=j} alpha_i             (`v41jax.speculative.throughput`)
     ECE      = sum_bins (n_bin / N) |acceptance_bin - confidence_bin|   over reached drafts
     E_c[A]   = sum_{j=1..L} prod_{i<=j} c_i                     (predicted accepted length)
     T_model  = sum_r cost(B (1 + max_b L[r, b]))                 (`modelled_seconds`)
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from v41jax.spec.throughput import expected_tokens_per_round
+from v41jax.speculative.throughput import expected_tokens_per_round
 
 LOG_KEYS = ("confidence", "verify_len", "accepted", "active")
 FIGSIZE = (4.5, 3.2)

@@ -12,7 +12,7 @@ slots < pos (`Drafter.context_kv`, written once per accepted position). One roun
      `schedule_verify_lengths`, `ENGINE_BASIS`, on the measured round-cost table). Confidences
      come from the drafter's pass before any draft is sampled, so w never depends on the
      target or on the sampled drafts and the output law is unchanged (see
-     `v41jax.spec.pipeline_audit`);
+     `v41jax.speculative.pipeline_audit`);
   2. `verify_step(width=w)`: the target extends [pending, d_1 .. d_w] at slot pos (a static
      width: one compiled step per w); `speculative_sample(key, d, q, p, L)` with L_b = w for
      active rows (0 for finished ones) gives A_b accepted drafts and one more token; the
@@ -38,7 +38,7 @@ from v41jax.model.attention import update_cache
 from v41jax.model.generate import init_cache
 from v41jax.model.sampling import knob_probs, sample_probs
 from v41jax.model.speculative import _write, extend_output
-from v41jax.spec import speculative_sample
+from v41jax.speculative import speculative_sample
 
 # One verify width per round for the whole padded batch: the scheduler prices exactly that
 # (basis "width": every active row's first w drafts count), not the ragged budget rule.

@@ -45,7 +45,7 @@ its choices earned 0.997x the best fixed length, "width" 1.000x; `v41jax.dspark.
 
 The verify length is a function of the confidences only (draft-side information computed
 before the drafts are sampled), which keeps speculative sampling exact; see
-v41jax/spec/pipeline_audit.py.
+v41jax/speculative/pipeline_audit.py.
 """
 
 from __future__ import annotations

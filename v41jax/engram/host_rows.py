@@ -37,8 +37,9 @@ class HostRows:
     """A read-only table [num_rows, dim] in host memory or a file, read by `lookup`.
 
     source: `HostTable`, `TableFile` or a numpy array [R, C] (any float dtype; rows are
-    returned as float32). allow_native=False always reads by callback (benchmarks, tests). Hashable by identity: two HostRows are the same static value only
-    if they are the same object, so a jitted function compiles once per table.
+    returned as float32). allow_native=False always reads by callback (benchmarks, tests).
+    Hashable by identity: two HostRows are the same static value only if they are the same
+    object, so a jitted function compiles once per table.
     """
 
     def __init__(self, source, allow_native: bool = True):

@@ -34,7 +34,7 @@ from v41jax.engram import ngram_hash_ids_step
 from v41jax.model.generate import _check_compression, _window_ending_at, prefill
 from v41jax.model.sampling import Scalar, knob_probs, sample_probs, sampling_knobs
 from v41jax.model.transformer import Transformer, engram_ids_key
-from v41jax.spec import speculative_sample
+from v41jax.speculative import speculative_sample
 
 
 class SpeculativeOutput(NamedTuple):

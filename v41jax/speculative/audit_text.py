@@ -1,7 +1,7 @@
 """Text of an `AuditReport`: the summary (one line per case) and the full listing.
 
-Kept apart from the statistics (`v41jax.spec.audit`) so each stays short; `AuditReport.format`
-and `.summary` call these.
+Kept apart from the statistics (`v41jax.speculative.audit`) so each stays short;
+`AuditReport.format` and `.summary` call these.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 import numpy as np
 from scipy.special import xlogy
 
-from v41jax.spec.audit import AuditCheck, AuditReport
+from v41jax.speculative.audit import AuditCheck, AuditReport
 
 
 def format_report(self: AuditReport, detail: str = "failed") -> str:

@@ -1,4 +1,4 @@
-"""The pipeline audit (v41jax/spec/pipeline_audit.py) on toy DSpark-like pipelines.
+"""The pipeline audit (v41jax/speculative/pipeline_audit.py) on toy DSpark-like pipelines.
 
 The toy drafter: per-row random base logits and anchors drawn from the key (independent of the
 target), a rank-2 Markov head (`markov_draft`), and per-row random confidences drawn before
@@ -16,8 +16,8 @@ import pytest
 
 from v41jax.dspark.markov import markov_draft
 from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
-from v41jax.spec import speculative_sample
-from v41jax.spec.pipeline_audit import audit_pipeline, make_pipeline_cases
+from v41jax.speculative import speculative_sample
+from v41jax.speculative.pipeline_audit import audit_pipeline, make_pipeline_cases
 
 K, V, B = 3, 6, 8  # drafts per row, vocabulary, scheduler batch (rows per decode step)
 SAMPLES, CHUNK = 40_000, 20_000  # CHUNK is a multiple of B

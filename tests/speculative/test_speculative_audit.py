@@ -1,4 +1,4 @@
-"""The verifier audit (v41jax/spec/audit.py): exact verifiers pass, broken ones are flagged.
+"""The verifier audit (v41jax/speculative/audit.py): exact verifiers pass, broken ones are flagged.
 
 Every verifier here is `_rule` (the Leviathan et al. rule, as in
 v41jax/kernels/spec_verify/reference.py: accept d_j iff u_j q_j(d_j) < p_j(d_j); at the first
@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 
 from v41jax.kernels.spec_verify.reference import race_keys
-from v41jax.spec import speculative_sample
-from v41jax.spec.audit import _g_test, audit_verifier, main, make_cases, reference_verifier
+from v41jax.speculative import speculative_sample
+from v41jax.speculative.audit import _g_test, audit_verifier, main, make_cases, reference_verifier
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -218,7 +218,8 @@ def test_report_format_and_small_vocab_and_k():
 
 def test_cli_passes_the_reference():
     proc = subprocess.run(
-        [sys.executable, "-m", "v41jax.spec.audit", "v41jax.spec.audit:reference_verifier",
+        [sys.executable, "-m", "v41jax.speculative.audit",
+         "v41jax.speculative.audit:reference_verifier",
          "--samples", "20000"],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
@@ -228,7 +229,7 @@ def test_cli_passes_the_reference():
 
 def test_cli_flags_a_broken_verifier(capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))  # importlib mode: `tests.spec...` needs the root
-    rc = main(["tests.spec.test_spec_audit:residual_from_p", "--samples", "20000"])
+    rc = main(["tests.spec.test_speculative_audit:residual_from_p", "--samples", "20000"])
     out = capsys.readouterr().out
     assert rc == 1 and "verdict: FAILED" in out and "NO" in out
     rc = main([f"{Path(__file__)}:exact_rule", "--samples", "20000", "--detail", "failed"])
@@ -236,7 +237,7 @@ def test_cli_flags_a_broken_verifier(capsys, monkeypatch):
 
 
 def test_cli_prints_a_short_summary_and_verbose_lists_every_check(capsys):
-    small = ["v41jax.spec.audit:reference_verifier", "--samples", "5000", "--vocab", "4"]
+    small = ["v41jax.speculative.audit:reference_verifier", "--samples", "5000", "--vocab", "4"]
     assert main(small) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) <= 12 and lines[-1].startswith("verdict: PASSED")
@@ -274,21 +275,24 @@ def test_cli_help_is_complete(capsys):
     "spec, message",
     [
         (
-            "v41jax.spec.audit.reference_verifier",
-            "verifier 'v41jax.spec.audit.reference_verifier': expected module:function or "
-            "path/to/file.py:function (did you mean v41jax.spec.audit:reference_verifier?)",
+            "v41jax.speculative.audit.reference_verifier",
+            "verifier 'v41jax.speculative.audit.reference_verifier': expected module:function or "
+            "path/to/file.py:function (did you mean v41jax.speculative.audit:reference_verifier?)",
         ),
         ("reference_verifier", "verifier 'reference_verifier': expected module:function"),
         ("verify.py", "verifier 'verify.py': expected module:function"),
-        ("v41jax.spec.nope:f", "verifier 'v41jax.spec.nope:f': no module named 'v41jax.spec.nope'"),
+        (
+            "v41jax.speculative.nope:f",
+            "verifier 'v41jax.speculative.nope:f': no module named 'v41jax.speculative.nope'",
+        ),
         ("nope_pkg.mod:f", "verifier 'nope_pkg.mod:f': no module named 'nope_pkg'"),
         ("no/such/file.py:f", "verifier 'no/such/file.py:f': no file 'no/such/file.py'"),
         (
-            "v41jax.spec.audit:reference_verifer",
-            "'v41jax.spec.audit' has no attribute 'reference_verifer' (did you mean "
-            "v41jax.spec.audit:reference_verifier?)",
+            "v41jax.speculative.audit:reference_verifer",
+            "'v41jax.speculative.audit' has no attribute 'reference_verifer' (did you mean "
+            "v41jax.speculative.audit:reference_verifier?)",
         ),
-        ("v41jax.spec.audit:MIN_EXPECTED", "'MIN_EXPECTED' is a float, not a function"),
+        ("v41jax.speculative.audit:MIN_EXPECTED", "'MIN_EXPECTED' is a float, not a function"),
     ],
 )
 def test_cli_bad_verifier_spec_is_a_usage_error(spec, message, capsys):
@@ -301,7 +305,7 @@ def test_cli_bad_verifier_spec_is_a_usage_error(spec, message, capsys):
 
 def test_cli_rejects_bad_sizes(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["v41jax.spec.audit:reference_verifier", "--samples", "0"])
+        main(["v41jax.speculative.audit:reference_verifier", "--samples", "0"])
     assert e.value.code == 2 and "need --samples >= 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="num_samples=0"):
         audit_verifier(reference_verifier, num_samples=0)

@@ -26,7 +26,7 @@ A count in a cell of probability 0 (p_j(v) = 0, an out-of-range token, A > L) gi
 G = 2 sum O ln(O / E) is chi-square with (cells - 1) dof per stratum under the null. The
 decision is Bonferroni over all m checks: a check passes if min(1, m p) >= alpha.
 
-CLI: python -m v41jax.spec.audit module:function [--samples N --seed S --vocab V --k K]
+CLI: python -m v41jax.speculative.audit module:function [--samples N --seed S --vocab V --k K]
 [--verbose] (module may also be a path/to/file.py): a summary, one line per case (--verbose:
 every check and observed/expected tables); exit 0 if the audit passes, 1 if not, 2 on a usage
 error (e.g. a verifier spec that does not name a function).
@@ -104,14 +104,14 @@ class AuditReport:
     def format(self, detail: str = "failed") -> str:
         """Verdict, a one-line-per-check table, then observed/expected tables: of failed checks
         ("failed"), or also of every passed pooled and A|L test ("all")."""
-        from v41jax.spec.audit_text import format_report
+        from v41jax.speculative.audit_text import format_report
 
         return format_report(self, detail)
 
     def summary(self, max_failed: int = 6) -> str:
         """Verdict, then one line per case: its checks, how many failed, and its worst check
         (smallest p); `format` lists every check."""
-        from v41jax.spec.audit_text import summarize_report
+        from v41jax.speculative.audit_text import summarize_report
 
         return summarize_report(self, max_failed)
 
@@ -336,8 +336,8 @@ def make_report(raw: list[dict], alpha: float, fn, name: str, start: float, **me
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The CLI (`v41jax.spec.audit_cli`): print the report; 0 if the verifier passes."""
-    from v41jax.spec.audit_cli import main as cli_main
+    """The CLI (`v41jax.speculative.audit_cli`): print the report; 0 if the verifier passes."""
+    from v41jax.speculative.audit_cli import main as cli_main
 
     return cli_main(argv)
 

@@ -1,4 +1,4 @@
-"""`python -m v41jax.spec.audit module:function ...`: the audit's command line.
+"""`python -m v41jax.speculative.audit module:function ...`: the audit's command line.
 
 Loads the verifier named by a `module:function` or `path/to/file.py:function` spec (a usage
 error naming the spec when it is not of that form or names nothing), runs `audit_verifier`
@@ -13,7 +13,7 @@ import importlib.util  # also binds importlib.import_module
 import os
 from collections.abc import Sequence
 
-from v41jax.spec.audit import Verifier, audit_verifier
+from v41jax.speculative.audit import Verifier, audit_verifier
 
 SPEC_FORM = "module:function or path/to/file.py:function"
 
@@ -65,13 +65,16 @@ acceptance counts against their exact laws, and decides by Bonferroni over all c
 summary, one line per case (--verbose: every check). Exit status: 0 if the audit passes, 1 if
 it fails, 2 on a usage error."""
 
-EPILOG = "example: python -m v41jax.spec.audit v41jax.spec.audit:reference_verifier --samples 20000"
+EPILOG = (
+    "example: python -m v41jax.speculative.audit v41jax.speculative.audit:reference_verifier"
+    " --samples 20000"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: print the report; return 0 if the verifier passes, 1 if not."""
     ap = argparse.ArgumentParser(
-        prog="python -m v41jax.spec.audit",
+        prog="python -m v41jax.speculative.audit",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

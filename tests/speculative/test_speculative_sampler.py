@@ -9,8 +9,8 @@ import pytest
 from scipy import stats
 
 from v41jax.model.sampling import sampling_probs
-from v41jax.spec import speculative_sample
-from v41jax.spec.sampler import sample_inverse_cdf
+from v41jax.speculative import speculative_sample
+from v41jax.speculative.sampler import sample_inverse_cdf
 
 
 def g_test(counts, probs):

@@ -1,6 +1,6 @@
 """Statistical audit of a whole drafting + scheduling + verifying pipeline.
 
-`v41jax.spec.audit` audits a verifier fed with drafts whose law it knows. A pipeline instead
+`v41jax.speculative.audit` audits a verifier fed with drafts whose law it knows. A pipeline instead
 drafts by itself (its draft law q is unknown to the audit), chooses its own verify lengths and
 verifies: `pipeline(key, target_probs [N, K+1, V]) -> (drafts [N, K], out_tokens [N, K+1],
 accepted [N], verify_len [N])`, with out = (d_0 .. d_{A-1}, t, -1 ..) as for a verifier.
@@ -23,9 +23,9 @@ of the drafter's parallel pass, turned into lengths by a scheduler, possibly acr
 batch. Conditioning on L then leaves every d_j ~ q_j and the verifier exact for each value of
 L. A length that depends on the target's probabilities of the sampled drafts (e.g. verify
 while p_j(d_j) >= q_j(d_j)) selects rows by how good their drafts are for the target: given
-L, d_j is no longer distributed as q_j, and (1) fails (tests/spec/test_spec_pipeline_audit.py
-checks that the audit catches it). In general so does a length computed from the sampled
-drafts.
+L, d_j is no longer distributed as q_j, and (1) fails
+(tests/speculative/test_speculative_pipeline_audit.py checks that the audit catches it). In
+general so does a length computed from the sampled drafts.
 
 Checks, per case (fixed tables p, `chunk`-row batches, independent keys):
   validity    A in [0, L], out[:, :A] = drafts, out[:, A] in [0, V), out[:, A+1:] = -1;
@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41jax.spec.audit import AuditReport, _check, _position_laws, _validity, make_report
+from v41jax.speculative.audit import AuditReport, _check, _position_laws, _validity, make_report
 
 Pipeline = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
 

@@ -43,7 +43,7 @@ def test_common_approach_emits_valid_rounds():
 
 
 @pytest.mark.slow
-def test_spec_throughput_experiment_miniature(tmp_path):
+def test_speculative_throughput_experiment_miniature(tmp_path):
     out = tmp_path / "results"
     cmd = [
         sys.executable,

@@ -1,7 +1,7 @@
 """Speculative decoding: the exact sampler, the throughput model and the verifier audit."""
 
-from v41jax.spec.sampler import IMPLS, check_speculative_inputs, speculative_sample
-from v41jax.spec.throughput import (
+from v41jax.speculative.sampler import IMPLS, check_speculative_inputs, speculative_sample
+from v41jax.speculative.throughput import (
     expected_tokens_per_round,
     interpolate_cost,
     optimal_draft_length,
@@ -24,10 +24,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Lazy: importing audit here eagerly would make `python -m v41jax.spec.audit` warn that
+    # Lazy: importing audit here eagerly would make `python -m v41jax.speculative.audit` warn that
     # the module was already imported by its package.
     if name in ("audit_verifier", "AuditReport"):
-        from v41jax.spec import audit
+        from v41jax.speculative import audit
 
         return getattr(audit, name)
-    raise AttributeError(f"module 'v41jax.spec' has no attribute {name!r}")
+    raise AttributeError(f"module 'v41jax.speculative' has no attribute {name!r}")

@@ -20,7 +20,7 @@ accepted drafts A has P(A >= j) = prod_{i<j} beta_i, so E[tokens per round] =
 1 + sum_{j=1..K} prod_{i<=j} beta_i (see `throughput.py`). Deterministic (argmax) drafts
 are the case q = one-hot(x): accept with probability p(x), residual = p with p(x) removed.
 The rule is exact only if q is the law the draft was really sampled from (same
-temperature, top-k/top-p/min-p, dtype) — `v41jax.spec.audit_verifier` checks a verifier.
+temperature, top-k/top-p/min-p, dtype) — `v41jax.speculative.audit_verifier` checks a verifier.
 
 Implementations (`impl`):
   "xla"        the fast path. Gathers p_j(d_j) and q_j(d_j) (B K elements), counts the

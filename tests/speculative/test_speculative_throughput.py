@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from v41jax.spec import (
+from v41jax.speculative import (
     expected_tokens_per_round,
     interpolate_cost,
     optimal_draft_length,
