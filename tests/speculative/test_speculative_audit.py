@@ -228,8 +228,8 @@ def test_cli_passes_the_reference():
 
 
 def test_cli_flags_a_broken_verifier(capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(REPO))  # importlib mode: `tests.spec...` needs the root
-    rc = main(["tests.spec.test_speculative_audit:residual_from_p", "--samples", "20000"])
+    monkeypatch.syspath_prepend(str(REPO))  # importlib mode: `tests.speculative...` needs the root
+    rc = main(["tests.speculative.test_speculative_audit:residual_from_p", "--samples", "20000"])
     out = capsys.readouterr().out
     assert rc == 1 and "verdict: FAILED" in out and "NO" in out
     rc = main([f"{Path(__file__)}:exact_rule", "--samples", "20000", "--detail", "failed"])
