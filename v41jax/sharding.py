@@ -12,12 +12,14 @@ activation's model axis is not (its batch axis is), so one name cannot serve bot
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from flax import linen as nn
+from flax.core import meta
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:  # config imports the feature configs, whose packages import this module
@@ -120,29 +122,75 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+class ShardingWarning(UserWarning):
+    """A parameter dimension its logical axis maps to mesh axes that do not divide it (the
+    dimension is replicated instead; `tree_shardings`)."""
+
+
 def tree_shardings(mesh: Mesh, boxed_tree) -> object:
     """NamedShardings for a tree whose leaves may be `nn.LogicallyPartitioned` boxes.
 
-    Works on abstract trees from `jax.eval_shape(model.init, ...)`. Unboxed leaves (step
-    counters, RNG keys, optimizer scalars) are replicated. A dimension that its mesh axes
-    do not divide is replicated instead (tiny test models), never padded silently.
-    """
-    specs = nn.get_partition_spec(boxed_tree)
-    specs = nn.logical_to_mesh(specs, LOGICAL_AXIS_RULES)
-    shapes = nn.unbox(boxed_tree)
+    One step from the annotations: `nn.get_partition_spec` reads each box's logical axis
+    names (scanned params carry the leading "layers" name), `nn.logical_to_mesh_sharding`
+    maps them through `LOGICAL_AXIS_RULES`. Works on abstract trees (`jax.eval_shape` of an
+    init, e.g. a whole train state whose optimizer moments were initialised from boxed
+    params and so carry their param's boxes). Unboxed leaves (step counters, RNG keys,
+    optimizer scalars) are replicated. The result has the unboxed tree's structure.
 
-    def fit(spec, leaf):
-        if not isinstance(spec, PartitionSpec):
+    A dimension whose mesh axes do not divide it is replicated along that dimension, with a
+    `ShardingWarning` naming the leaves (by path), their shape, the logical axis and the
+    mesh axes: never a silent replication. Mesh axes of size 1 are dropped from the specs.
+    """
+    specs = nn.get_partition_spec(boxed_tree)  # logical names; PartitionSpec() unboxed
+    named = nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_AXIS_RULES)
+    bad: dict[tuple, list[str]] = {}  # (shape, dim, logical name, mesh axes) -> leaf paths
+
+    def fit(path, leaf, logical, sharding):
+        shape = tuple(getattr(nn.unbox(leaf), "shape", ()))
+        if not isinstance(leaf, meta.AxisMetadata):  # unboxed: replicated
             return replicated(mesh)
-        shape = getattr(leaf, "shape", ())
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        names = tuple(logical) + (None,) * (len(shape) - len(logical))
         fixed = []
-        for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)), strict=True):
-            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            size = math.prod(mesh.shape[a] for a in names)
-            fixed.append(axes if size > 1 and dim % size == 0 else None)
+        for dim, (n, axes, name) in enumerate(zip(shape, spec, names, strict=True)):
+            axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            size = math.prod(mesh.shape[a] for a in axes_t)
+            if size > 1 and n % size:
+                bad.setdefault((shape, dim, name, axes_t), []).append(_path_str(path))
+            fixed.append(axes if size > 1 and n % size == 0 else None)
         return NamedSharding(mesh, PartitionSpec(*fixed))
 
-    return jax.tree.map(fit, specs, shapes, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    out = jax.tree_util.tree_map_with_path(
+        fit, boxed_tree, specs, named, is_leaf=lambda x: isinstance(x, meta.AxisMetadata)
+    )
+    for (shape, dim, name, axes), paths in bad.items():
+        # name the shallowest leaves (the params; their optimizer moments sit deeper)
+        depth = min(p.count("/") for p in paths)
+        named = [p for p in paths if p.count("/") == depth]
+        more = len(paths) - len(named)
+        more = f" (and {more} deeper leaves of that shape and axes)" if more else ""
+        size = math.prod(mesh.shape[a] for a in axes)
+        warnings.warn(
+            f"{', '.join(named)}{more}: shape {list(shape)} dim {dim} (logical axis "
+            f"{name!r}, size {shape[dim]}) is not divisible by mesh axes {axes} of size {size} "
+            f"(mesh {dict(mesh.shape)}); replicated along dim {dim}",
+            ShardingWarning,
+            stacklevel=2,
+        )
+    return out
+
+
+def _path_str(path) -> str:
+    """'params/block_0/attn/q' from a key path (dict keys, attribute names, indices)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
 
 
 def axis_rules():

@@ -110,6 +110,7 @@ def make_state_fns(cfg: Config, mesh: Mesh):
             return optimizer.init(params)
         rest, tables = split_tables(params)
         kind = cfg.optim.table_optimizer
+        tables = nn.unbox(tables)  # only their shapes are read
         return {"dense": optimizer.init(rest), "tables": init_table_states(kind, tables)}
 
     def init_state(seed: jax.Array) -> TrainState:
@@ -124,34 +125,26 @@ def make_state_fns(cfg: Config, mesh: Mesh):
             rng=jax.random.fold_in(key, 1),
         )
 
+    # The optimizer is initialised from the BOXED params here: optax maps its moments over
+    # the params' leaves, so Adam's mu/nu (also inside multi_transform's group states) carry
+    # their param's logical axes, and one pass over the annotations shards the whole state;
+    # counts and other unboxed leaves are replicated.
     abstract_boxed_state = jax.eval_shape(
         lambda: TrainState(
             step=jnp.zeros((), jnp.int32),
             params=boxed,
-            opt_state=init_opt_state(nn.unbox(boxed)),
+            opt_state=init_opt_state(boxed),
             rng=jax.random.PRNGKey(0),
         )
     )
-    param_shardings = sharding.tree_shardings(mesh, abstract_boxed_state.params)
-    # Adam moments mirror the params' tree, so they take the params' shardings; everything
-    # else in the optimizer state (counts, schedules) is replicated. Row-sparse table states
-    # take their table's row sharding.
-    if sparse:
-        opt = abstract_boxed_state.opt_state
-        opt_shardings = {
-            "dense": _opt_state_shardings(opt["dense"], param_shardings, sharding.replicated(mesh)),
-            "tables": table_state_shardings(opt["tables"], param_shardings),
-        }
-    else:
-        opt_shardings = _opt_state_shardings(
-            abstract_boxed_state.opt_state, param_shardings, sharding.replicated(mesh)
+    state_shardings = sharding.tree_shardings(mesh, abstract_boxed_state)
+    if sparse:  # row-sparse table states take their table's row sharding
+        tables = table_state_shardings(
+            abstract_boxed_state.opt_state["tables"], state_shardings.params
         )
-    state_shardings = TrainState(
-        step=sharding.replicated(mesh),
-        params=param_shardings,
-        opt_state=opt_shardings,
-        rng=sharding.replicated(mesh),
-    )
+        state_shardings = state_shardings.replace(
+            opt_state={**state_shardings.opt_state, "tables": tables}
+        )
     init_fn = jax.jit(init_state, static_argnums=(), out_shardings=state_shardings)
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -159,29 +152,3 @@ def make_state_fns(cfg: Config, mesh: Mesh):
         state_shardings,
     )
     return model, optimizer, init_fn, state_shardings, abstract_state
-
-
-def _opt_state_shardings(opt_state, param_shardings, replicated):
-    """Optimizer-state leaves whose key path ends with a param's path (Adam mu/nu, also inside
-    multi_transform's per-group states) take that param's sharding; the rest are replicated."""
-    by_path = {
-        tuple(_key_name(k) for k in path): s
-        for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]
-    }
-    lengths = sorted({len(p) for p in by_path}, reverse=True)
-
-    def pick(path, leaf):
-        names = tuple(_key_name(k) for k in path)
-        for n in lengths:
-            if len(names) >= n and names[-n:] in by_path:
-                return by_path[names[-n:]]
-        return replicated
-
-    return jax.tree_util.tree_map_with_path(pick, opt_state)
-
-
-def _key_name(key) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
