@@ -18,7 +18,13 @@ from v41jax.sharding import make_mesh
 from v41jax.train import load_run, train
 from v41jax.train.batches import add_engram_ids
 from v41jax.train.loop import resolve_data_dependent
-from v41jax.train.sparse_tables import gather_rows, merge_tables, split_tables, with_rows
+from v41jax.train.sparse_tables import (
+    gather_rows,
+    merge_tables,
+    row_shard_plans,
+    split_tables,
+    with_rows,
+)
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import _forward_loss
 
@@ -152,3 +158,42 @@ def test_row_sharded_step_moves_no_table_sized_array():
     sizes = rf"\[({rows}|{shard}|{n_ids})[,\]]"
     assert not [c for c in collectives if re.search(sizes, c)], collectives
     assert [c for c in collectives if " all-to-all(" in c and "s32[" in c]  # row requests
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (conftest)")
+@pytest.mark.parametrize(
+    "table_dtype", ["float32", pytest.param("float8_e4m3fn", marks=pytest.mark.slow)]
+)
+def test_an_all_to_all_sparse_step_equals_the_one_device_step(table_dtype):
+    """Two steps of the sparse step on 8 devices (rows and row gradients by all-to-all,
+    owners updating their shards) give the one-device step's loss, tables and table
+    optimizer state (the FP8 master's fake-quantised rows included)."""
+    from v41jax import sharding
+    from v41jax.bench.table_bench import config_for, synthetic_batch
+    from v41jax.train.step import device_batch, make_train_step
+
+    extra = [f"model.engram.table_dtype={table_dtype}"]
+    results = {}
+    for name, mesh_set in (("one", ["mesh.data=1"]), ("eight", ["mesh.data=2", "mesh.fsdp=4"])):
+        cfg = config_lib.override(config_for(1e5, "sparse_adam"), mesh_set + extra)
+        mesh = make_mesh(cfg.mesh)
+        model, opt, init_fn, shardings, _ = make_state_fns(cfg, mesh)
+        step = make_train_step(cfg, mesh, model, opt, shardings)
+        state = init_fn(0)
+        with jax.set_mesh(mesh), sharding.axis_rules():
+            plans = row_shard_plans(cfg, split_tables(state.params)[1], cfg.data.global_batch_size)
+        assert bool(plans) == (name == "eight")  # the all-to-all path is the one under test
+        losses = []
+        for s in range(2):
+            state, metrics = step(state, device_batch(mesh, synthetic_batch(cfg, s)))
+            losses.append(float(metrics["loss"]))
+        results[name] = (losses, jax.device_get(state.params), jax.device_get(state.opt_state))
+    (l1, p1, o1), (l8, p8, o8) = results["one"], results["eight"]
+    np.testing.assert_allclose(l8, l1, rtol=1e-6)
+    _, t1 = split_tables(p1)
+    _, t8 = split_tables(p8)
+    for path in t1:
+        np.testing.assert_allclose(t8[path], t1[path], rtol=1e-5, atol=1e-6)
+    for key, st in o1["tables"].items():
+        for name, v in st.items():
+            np.testing.assert_allclose(o8["tables"][key][name], v, rtol=1e-5, atol=1e-7)
