@@ -131,9 +131,12 @@ def test_cli_starts_itself_with_enough_devices(tmp_path):
 def test_python_m_v41jax_plan(tmp_path):
     out = tmp_path / "plan.json"
     cmd = [sys.executable, "-m", "v41jax", "plan", "--config", "tiny", "--mesh", "fsdp=2"]
-    run = subprocess.run([*cmd, "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
+    cmd += ["--platform", "cuda", "--json", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert json.loads(out.read_text())["target_lowering"]["ok"] is not None
+    r = json.loads(out.read_text())
+    assert r["devices"] == 2 and r["target_lowering"]["ok"], r["target_lowering"]
+    assert r["settings"]["microbatches"] == 1 and "| fits" in run.stdout
 
 
 @pytest.mark.parametrize(

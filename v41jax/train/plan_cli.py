@@ -145,6 +145,7 @@ def format_plan(r: dict) -> str:
     head = (
         f"plan: {r['config']} ({_count(r['params'])} params), mesh {mesh} on {r['devices']} "
         f"x {r['device']}, batch {batch} x {seq} tokens\n"
+        f"settings: {', '.join(f'{k}={v}' for k, v in r['settings'].items())}\n"
         f"bytes per device from the {r['bytes_source']}; compiled in {r['compile_seconds']} s\n"
     )
     lines = [f"| {'per device':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
