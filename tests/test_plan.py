@@ -155,3 +155,20 @@ def test_named_configs_have_the_sizes_their_names_say(name, low, high):
     assert cfg.name == name and cfg.model.num_kv_heads < cfg.model.num_heads  # GQA
     total = param_accounting(cfg.model)["total_params"]  # jax.eval_shape: nothing allocated
     assert low <= total <= high, f"{name}: {total:,} params"
+
+
+def test_readme_table_is_the_committed_plans():
+    """README "Launching on TPU / GPU" shows experiments/plan/table.py's rendering of the
+    committed plan JSONs, verbatim."""
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "experiments", "plan", "table.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert run.stdout.strip() in readme
+    for name in ("1b_tpu_blockwise", "8b_cuda"):  # the two full tables
+        with open(os.path.join(ROOT, "experiments", "plan", f"{name}.txt")) as f:
+            assert f.read().strip() in readme, name
