@@ -4,12 +4,14 @@ A checkpoint at step s holds everything needed to continue as if never stopped: 
 optimizer state, step, RNG (item "state") and the data iterator's position (item "data").
 A checkpoint of the other layer layout (scanned or not) is converted on restore.
 Orbax writes into a temporary directory and renames it when complete, so a process killed
-mid-save (SIGKILL) leaves the previous checkpoint intact and the partial one is ignored.
+mid-save (SIGKILL) leaves the previous checkpoint intact and the partial one is ignored. On
+GCS (a gs:// workdir), where nothing is renamed, a step counts once orbax has written its
+commit marker, with the same effect.
 
 `asynchronous=True` (the training loop's `train.async_checkpoints`): `save` returns once the
 arrays are copied off the device, and orbax writes them in a background thread while
 training continues; the next save, `wait` and `close` wait for it. A step is on disk only
-when its directory has been renamed into place (what `latest_checkpoint_step` reads), so a
+when it is complete in that sense (what `latest_checkpoint_step` reads), so a
 SIGKILL during a background write resumes from the previous checkpoint, exactly. Saves that
 carry host tables (numpy arrays the next steps update in place) are waited for.
 """
@@ -24,15 +26,20 @@ import jax
 import orbax.checkpoint as ocp
 
 from v41jax.model.layout import convert_layout, layout_of, segments_of
+from v41jax.train.workdir import as_path, is_local
 
 
 class Checkpointer:
-    """Keeps the last `keep` checkpoints of `directory` (absolute or relative path)."""
+    """Keeps the last `keep` checkpoints of `directory`: an absolute or relative local path,
+    or any URL orbax and `etils.epath` write to (gs://bucket/run/checkpoints).
+    `directory` is its text (local: made absolute), for messages."""
 
-    def __init__(self, directory: str, keep: int, asynchronous: bool = False):
-        self.directory = os.path.abspath(directory)
+    def __init__(self, directory: str | os.PathLike, keep: int, asynchronous: bool = False):
+        path = as_path(directory)
+        self.path = path if not is_local(path) else as_path(os.path.abspath(path))
+        self.directory = os.fspath(self.path)
         self.manager = ocp.CheckpointManager(
-            self.directory,
+            self.path,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous
             ),

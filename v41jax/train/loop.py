@@ -11,6 +11,10 @@ WORKDIR layout
     metrics.jsonl      one JSON object per line: train steps and evals
     eval.json          the final evaluation
 
+WORKDIR is a local path or any URL etils.epath and orbax support (gs://bucket/run): every
+read and write of it goes through epath (`v41jax.train.workdir`). A stop on SIGTERM is agreed
+by every process of the job (`v41jax.train.preemption`).
+
 Exact resume: the batch at step s is a pure function of (data seed, s), the step's randomness
 is `fold_in(state.rng, s)`, and a checkpoint holds the exact fp32 state, so a run killed at any
 point and restarted with the same command retraces the uninterrupted run step for step.
@@ -30,13 +34,7 @@ from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
 from v41jax.config import Config
-from v41jax.data import (
-    BatchIterator,
-    PreparedData,
-    Tokenizer,
-    eval_batches,
-    load_data,
-)
+from v41jax.data import BatchIterator, PreparedData, eval_batches, load_data
 from v41jax.model import convert_layout, layer_segments
 from v41jax.model.host_params import host_table_arrays
 from v41jax.sharding import batch_shards, make_mesh
@@ -45,16 +43,20 @@ from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
 from v41jax.train.metrics import MetricsWriter
 from v41jax.train.observe import Profiler, TensorBoard, flops_metrics
+from v41jax.train.preemption import AgreedStop
 from v41jax.train.resume import (
     COMPUTE_ONLY_MODEL_FIELDS,
     latest_checkpoint_step,
     reconcile,
     saved_config,
 )
+from v41jax.train.run_files import prepare as prepare_data
+from v41jax.train.run_files import write_run_files
 from v41jax.train.runs import LoadedRun, load_run
 from v41jax.train.sparse_tables import split_tables
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
+from v41jax.train.workdir import as_path, check_local_features, write_text_atomic
 
 
 def maybe_initialize_distributed() -> None:
@@ -124,45 +126,6 @@ def validation_batches(cfg: Config, data: PreparedData, num_batches: int) -> lis
     return [add_engram_ids(b, data.compression, cfg.model) for b in batches]
 
 
-def _prepare(cfg: Config, workdir: str, progress: bool) -> PreparedData:
-    """Tokenized data for the run; writes nothing. A resumed run keeps the tokenizer saved in
-    its workdir, a fine-tuning run its source's, whatever text it trains on now."""
-    source = workdir if os.path.exists(os.path.join(workdir, "tokenizer.json")) else None
-    source = source or cfg.train.init_from
-    tokenizer = Tokenizer.load(os.path.join(source, "tokenizer.json")) if source else None
-    data = load_data(cfg.data, show_progress=progress, tokenizer=tokenizer)  # or token_dir
-    if data.tokenizer.vocab_size != cfg.model.vocab_size:
-        where = f" (the tokenizer of {source})" if source else ""
-        raise ValueError(
-            f"tokenizer has {data.tokenizer.vocab_size} tokens{where} but "
-            f"model.vocab_size={cfg.model.vocab_size}"
-        )
-    return data
-
-
-def _write_run_files(cfg: Config, workdir: str, data: PreparedData, changes: list[str]) -> None:
-    """config.json, tokenizer.json, compression.npz: written only once every check passed, so
-    a refused command leaves the workdir as it was. Resume changes go to config_changes.jsonl."""
-    if jax.process_index() != 0:
-        return
-    os.makedirs(workdir, exist_ok=True)
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path) or changes:
-        tmp = f"{path}.tmp"
-        config_lib.save_json(cfg, tmp)
-        os.replace(tmp, path)  # atomic: a kill mid-write keeps the old config
-    if changes:
-        with open(os.path.join(workdir, "config_changes.jsonl"), "a") as f:
-            f.write(json.dumps({"step": latest_checkpoint_step(workdir), "changes": changes}))
-            f.write("\n")
-    for name, save in (
-        ("tokenizer.json", data.tokenizer.save),
-        ("compression.npz", data.compression.save),
-    ):
-        if not os.path.exists(os.path.join(workdir, name)):
-            save(os.path.join(workdir, name))
-
-
 def evaluate(eval_step, mesh, params, batches: list[dict]) -> dict:
     """Token-weighted validation loss over `batches`, and eval tokens/s (timed after the first
     batch, which pays for compilation)."""
@@ -206,18 +169,22 @@ def _init_source(cfg: Config) -> LoadedRun:
     return source
 
 
-def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
-    """Train (or resume) the run in `workdir`; returns the final evaluation."""
+def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> dict:
+    """Train (or resume) the run in `workdir` (a local path, or any URL `etils.epath` and
+    orbax support, e.g. gs://bucket/run: `v41jax.train.workdir`); returns the final
+    evaluation."""
     maybe_initialize_distributed()
     enable_compilation_cache(cfg)
     main = jax.process_index() == 0
+    workdir = as_path(workdir)
+    check_local_features(cfg, workdir)  # before the workdir is first read
     saved, latest = saved_config(workdir), latest_checkpoint_step(workdir)
     source = cfg.train.init_from
-    if source and not os.path.exists(os.path.join(source, "config.json")):
+    if source and not (as_path(source) / "config.json").exists():
         raise FileNotFoundError(f"train.init_from={source} holds no run (no config.json)")
     if saved is not None:  # refuse a different run at once, before preparing any data
         reconcile(saved, _with_saved_vocab(cfg, saved), latest, workdir)
-    data = _prepare(cfg, workdir, progress and main)
+    data = prepare_data(cfg, workdir, progress and main)
     cfg = resolve_data_dependent(cfg, data)
     changes: list[str] = []
     if saved is not None:
@@ -234,11 +201,11 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     model, optimizer, init_fn, shardings, abstract = make_state_fns(cfg, mesh)
     val = validation_batches(cfg, data, cfg.train.eval_batches)
     source = _init_source(cfg) if latest is None and source else None
-    _write_run_files(cfg, workdir, data, changes)
+    write_run_files(cfg, workdir, data, changes)
     if changes and main:
         print(f"resuming {workdir} at step {latest} with changes: {'; '.join(changes)}")
     checkpointer = Checkpointer(
-        os.path.join(workdir, "checkpoints"),
+        workdir / "checkpoints",
         cfg.train.keep_checkpoints,
         asynchronous=cfg.train.async_checkpoints,
     )
@@ -275,16 +242,16 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     eval_step = make_eval_step(cfg, mesh, model, shardings.params)
     prepare = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)
     if uses_host_tables(cfg):  # rows gathered with the batch, in the prefetch thread
-        host = start_host_tables(cfg, checkpointer, start, source_tables, workdir)
+        host = start_host_tables(cfg, checkpointer, start, source_tables, os.fspath(workdir))
         prepare = lambda b, add=prepare: host.gather(add(b))  # noqa: E731
         step_fn = functools.partial(host_step, train_step, host, cfg, mesh)
     else:
         step_fn = lambda state, b: train_step(state, device_batch(mesh, b))  # noqa: E731
     batches = PrefetchingBatches(iterator, prepare)
-    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
-    board = TensorBoard(os.path.join(workdir, "tensorboard"), start, main and cfg.train.tensorboard)
+    writer = MetricsWriter(workdir / "metrics.jsonl", start, enabled=main)
+    board = TensorBoard(workdir / "tensorboard", start, main and cfg.train.tensorboard)
     log = lambda record: (writer.write(record), board.write(record))  # noqa: E731
-    profiler = Profiler(cfg.train.profile_steps if main else "", os.path.join(workdir, "profile"))
+    profiler = Profiler(cfg.train.profile_steps if main else "", workdir / "profile")
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
 
     def save(step: int) -> None:
@@ -298,11 +265,12 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     steps = cfg.train.steps
     last_time, last_step = time.perf_counter(), start
     with (
-        StopSignal() as stop,
+        StopSignal() as signals,
         tqdm(
             total=steps, initial=start, desc=f"train {cfg.name}", disable=not (progress and main)
         ) as bar,
     ):
+        stop = AgreedStop(signals)  # on one process: the signal; on several: any process's
         for step in range(start + 1, steps + 1):
             profiler.before(step)
             state, metrics = step_fn(state, next(batches))
@@ -327,18 +295,17 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
                 log(result)
                 bar.write(f"step {step}: val_loss {result['val_loss']:.4f}")
             bar.update(1)
-            if stop.received is not None:
+            if stop(step):  # on several processes: all of them, after the same step
                 save(step)
                 checkpointer.wait()
-                bar.write(f"stopped by signal {stop.received} at step {step}; checkpoint saved")
+                bar.write(stop.describe(step))
                 result = {"step": step, "stopped": True}
                 break
     if start == steps:  # nothing left to train: report the saved model
         result = {"step": steps, **evaluate(eval_step, mesh, state.params, validation())}
     checkpointer.wait()  # the final checkpoint is on disk before eval.json says done
     if main and not result.get("stopped"):
-        with open(os.path.join(workdir, "eval.json"), "w") as f:
-            json.dump(result, f, indent=2)
+        write_text_atomic(workdir / "eval.json", json.dumps(result, indent=2))
     batches.close()
     checkpointer.close()
     board.close()
@@ -346,7 +313,9 @@ def train(cfg: Config, workdir: str, *, progress: bool = True) -> dict:
     return result
 
 
-def evaluate_run(workdir: str, num_batches: int | None = None, progress: bool = False) -> dict:
+def evaluate_run(
+    workdir: str | os.PathLike, num_batches: int | None = None, progress: bool = False
+) -> dict:
     """Validation loss of the latest checkpoint in `workdir`."""
     run = load_run(workdir)
     data = load_data(run.cfg.data, show_progress=progress, tokenizer=run.tokenizer)

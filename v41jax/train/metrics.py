@@ -4,13 +4,20 @@ Train lines carry `loss` (the train loss of that step); eval lines carry `val_lo
 from step s, lines with step > s were written by the killed run after its last checkpoint; the
 resumed run recomputes exactly those steps, so they are moved aside to
 `metrics.jsonl.after_<s>` (kept, never deleted) and the main file stays one clean history.
+
+The path may be any `etils.epath` path (a gs:// workdir): a local file is appended to line by
+line as always; an object store cannot append, so there the writer keeps the file's text and
+uploads it whole with each line (one object replaced at once: never a half-written line).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 from typing import Any
+
+from v41jax.train import workdir as workdir_lib
 
 
 def _jsonable(v: Any) -> Any:
@@ -20,15 +27,16 @@ def _jsonable(v: Any) -> Any:
 
 
 class MetricsWriter:
-    def __init__(self, path: str, resume_step: int = 0, enabled: bool = True):
-        self.path = path
+    def __init__(self, path: str | os.PathLike, resume_step: int = 0, enabled: bool = True):
+        self.path = workdir_lib.as_path(path)
         self.enabled = enabled
-        if enabled and os.path.exists(path):
+        self._local = workdir_lib.is_local(self.path)
+        self._text = ""  # an object store's file as last uploaded
+        if enabled and self.path.exists():
             self._truncate_after(resume_step)
 
     def _truncate_after(self, step: int) -> None:
-        with open(self.path) as f:
-            lines = [ln for ln in f if ln.strip()]
+        lines = [ln for ln in io.StringIO(self.path.read_text()) if ln.strip()]
         keep, later = [], []
         for ln in lines:
             try:
@@ -38,20 +46,31 @@ class MetricsWriter:
                 continue
             (later if record.get("step", 0) > step else keep).append(ln)
         if later:
-            with open(f"{self.path}.after_{step}", "a") as f:
-                f.writelines(ln if ln.endswith("\n") else ln + "\n" for ln in later)
-        with open(self.path, "w") as f:
-            f.writelines(keep)
+            aside = self.path.parent / f"{self.path.name}.after_{step}"
+            text = "".join(ln if ln.endswith("\n") else ln + "\n" for ln in later)
+            if self._local:
+                with aside.open("a") as f:
+                    f.write(text)
+            else:
+                workdir_lib.write_text_atomic(
+                    aside, (aside.read_text() if aside.exists() else "") + text
+                )
+        self._text = "".join(keep)
+        self.path.write_text(self._text)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         line = json.dumps({k: _jsonable(v) for k, v in record.items()})
-        with open(self.path, "a") as f:
+        if not self._local:
+            self._text += line + "\n"
+            self.path.write_text(self._text)
+            return
+        with self.path.open("a") as f:
             f.write(line + "\n")
             f.flush()
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    with open(path) as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    text = workdir_lib.as_path(path).read_text()
+    return [json.loads(ln) for ln in io.StringIO(text) if ln.strip()]

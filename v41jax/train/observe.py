@@ -20,6 +20,7 @@ import jax
 
 from v41jax.config import Config
 from v41jax.model.accounting import model_flops_per_token
+from v41jax.train.workdir import as_path
 
 # dense bf16 FLOP/s per chip, by a substring of `device.device_kind` (first match wins)
 PEAK_FLOPS = (
@@ -56,13 +57,14 @@ def flops_metrics(cfg: Config, tokens_per_s: float) -> dict[str, float]:
 class TensorBoard:
     """Scalars of metrics records in `directory` (no-op when disabled)."""
 
-    def __init__(self, directory: str, resume_step: int, enabled: bool = True):
+    def __init__(self, directory: str | os.PathLike, resume_step: int, enabled: bool = True):
         self.writer = None
         if enabled:
             from tensorboardX import SummaryWriter
 
-            # purge_step hides events at steps > resume_step left by a killed run
-            self.writer = SummaryWriter(directory, purge_step=resume_step + 1)
+            # purge_step hides events at steps > resume_step left by a killed run; gs:// and
+            # s3:// are written by tensorboardX itself (`workdir.check_local_features`)
+            self.writer = SummaryWriter(os.fspath(directory), purge_step=resume_step + 1)
 
     def write(self, record: dict) -> None:
         if self.writer is None:
@@ -81,9 +83,10 @@ class TensorBoard:
 
 
 class Profiler:
-    """Traces steps a..b of `train.profile_steps` into `directory`."""
+    """Traces steps a..b of `train.profile_steps` into `directory`, a local one: the
+    training loop refuses the setting with a workdir elsewhere before it starts."""
 
-    def __init__(self, spec: str, directory: str):
+    def __init__(self, spec: str, directory: str | os.PathLike):
         self.first = self.last = None
         if spec:
             a, _, b = spec.partition(",")
@@ -92,8 +95,8 @@ class Profiler:
 
     def before(self, step: int) -> None:
         if step == self.first:
-            os.makedirs(self.directory, exist_ok=True)
-            jax.profiler.start_trace(self.directory)
+            as_path(self.directory).mkdir(parents=True, exist_ok=True)
+            jax.profiler.start_trace(os.fspath(self.directory))
             self.active = True
 
     def after(self, step: int, state) -> None:

@@ -24,8 +24,11 @@ import hashlib
 import json
 import os
 
+import orbax.checkpoint as ocp
+
 from v41jax import config as config_lib
 from v41jax.config import Config
+from v41jax.train import workdir as workdir_lib
 
 # Model fields that change how params are used, not which params exist: a resumed run, or one
 # fine-tuned with train.init_from, may set them differently from the run it continues.
@@ -57,19 +60,20 @@ RESUMABLE_FIELDS = (
 RESUMABLE_SECTIONS = ("generate.",)
 
 
-def latest_checkpoint_step(workdir: str) -> int | None:
-    """The newest complete checkpoint's step in `workdir/checkpoints`, read without creating
-    anything (orbax writes a step under a temporary name and renames it when complete)."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
+def latest_checkpoint_step(workdir: str | os.PathLike) -> int | None:
+    """The newest complete checkpoint's step in `workdir/checkpoints` (any epath path), read
+    without creating anything. Complete as orbax decides it: a local step is written under a
+    temporary name and renamed when done, a GCS step carries a commit marker."""
+    directory = workdir_lib.as_path(workdir) / "checkpoints"
+    if not directory.is_dir():
         return None
-    steps = [int(d) for d in os.listdir(directory) if d.isdigit()]
+    steps = ocp.path.step.checkpoint_steps(directory)
     return max(steps) if steps else None
 
 
-def saved_config(workdir: str) -> Config | None:
-    path = os.path.join(workdir, "config.json")
-    return config_lib.load_json(path) if os.path.exists(path) else None
+def saved_config(workdir: str | os.PathLike) -> Config | None:
+    path = workdir_lib.as_path(workdir) / "config.json"
+    return workdir_lib.load_config(path) if path.exists() else None
 
 
 def _is_resumable(change: str) -> bool:

@@ -12,7 +12,6 @@ import os
 import jax
 import numpy as np
 
-from v41jax import config as config_lib
 from v41jax.config import Config
 from v41jax.data import CompressionTable, Tokenizer
 from v41jax.engram.host_rows import HostRows
@@ -22,8 +21,10 @@ from v41jax.sharding import make_mesh
 from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.file_tables import read_only_tables, uses_table_files
 from v41jax.train.host_tables import start_host_tables, uses_host_tables
+from v41jax.train.run_files import load_compression, load_tokenizer
 from v41jax.train.sparse_tables import merge_tables
 from v41jax.train.state import make_state_fns
+from v41jax.train.workdir import as_path, is_local, load_config
 
 
 @dataclasses.dataclass
@@ -38,22 +39,27 @@ class LoadedRun:
     param_shardings: object
 
 
-def load_run(workdir: str, step: int | None = None, tables: str = "auto") -> LoadedRun:
+def load_run(
+    workdir: str | os.PathLike, step: int | None = None, tables: str = "auto"
+) -> LoadedRun:
     """The config, tokenizer and params of a trained run (latest checkpoint by default).
 
     tables: where the Engram tables go for evaluation and decoding: "device" (params),
     "host" (host memory, read through `HostRows` callbacks: `v41jax.model.host_params`), or
     "auto" (host for a run trained with `model.engram.table_placement=host`, else device).
     The returned cfg says placement "device" either way: it is the decoding config, whose
-    params hold the tables (as arrays or as `HostRows`)."""
+    params hold the tables (as arrays or as `HostRows`).
+
+    workdir: a local path or any URL `etils.epath` and orbax read (gs://bucket/run)."""
     if tables not in ("auto", "device", "host"):
         raise ValueError(f"load_run: tables={tables!r} must be 'auto', 'device' or 'host'")
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
+    workdir = as_path(workdir)
+    path = workdir / "config.json"
+    if not path.exists():
         raise FileNotFoundError(f"{workdir} holds no run (no config.json); train one first")
-    cfg = config_lib.load_json(path)
-    tokenizer = Tokenizer.load(os.path.join(workdir, "tokenizer.json"))
-    compression = CompressionTable.load(os.path.join(workdir, "compression.npz"))
+    cfg = load_config(path)
+    tokenizer = load_tokenizer(workdir)
+    compression = load_compression(workdir)
     if tokenizer.vocab_size != cfg.model.vocab_size:  # e.g. a file copied from another run
         raise ValueError(
             f"{workdir}: tokenizer.json has {tokenizer.vocab_size} tokens but the run's "
@@ -61,7 +67,7 @@ def load_run(workdir: str, step: int | None = None, tables: str = "auto") -> Loa
         )
     mesh = make_mesh(cfg.mesh)
     model, _, _, shardings, abstract = make_state_fns(cfg, mesh)
-    checkpointer = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    checkpointer = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
     step = checkpointer.latest_step() if step is None else step
     if step is None or step not in checkpointer.all_steps():
         have = checkpointer.all_steps()
@@ -76,7 +82,12 @@ def load_run(workdir: str, step: int | None = None, tables: str = "auto") -> Loa
     on_host = tables == "host" or (tables == "auto" and trained_on_host)
     if trained_on_host:  # evaluation and decoding read the tables as params
         if uses_table_files(cfg):  # memory-mapped, as of checkpoint `step`
-            host = read_only_tables(cfg, workdir, step)
+            if not is_local(workdir):
+                raise ValueError(
+                    f"{workdir}: model.engram.table_path={cfg.model.engram.table_path!r} "
+                    "tables are memory-mapped local files, and this workdir is not local"
+                )
+            host = read_only_tables(cfg, os.fspath(workdir), step)
         else:
             restored = start_host_tables(cfg, checkpointer, step).tables
             host = {k: HostTable(t) for k, t in restored.items()}
