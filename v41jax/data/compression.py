@@ -3,7 +3,7 @@
 Tokens that differ only in case, accents, Unicode compatibility form or surrounding whitespace
 ("ĠThe", "the", "THE") get one canonical id, so the hashed n-gram tables see fewer distinct
 n-grams (Cheng et al., arXiv 2601.07372; the public `engram_demo_v1.py` builds the same table
-with a `tokenizers` normaliser sequence, which `tests/data/test_compression.py` cross-checks).
+with a `tokenizers` normaliser sequence, which `tests/data/test_data_compression.py` cross-checks).
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ def markdown_table(
     rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]]
 ) -> str:
     """A markdown table: columns are (key, header, format spec), e.g. ("ece", "ECE", ".3f");
-    a missing / None / NaN cell prints "-". (`v41jax.sweep.report._md` is private and takes
+    a missing / None / NaN cell prints "-". (`v41jax.sweep.tables._md` is private and takes
     pre-formatted cells, so this is the reusable one.)"""
     for col in columns:
         if len(col) != 3:
