@@ -2,6 +2,8 @@
 from the frozen target's hidden states; a Markov head (`v41jax.dspark.markov`) then links
 consecutive drafts, and a confidence head predicts per-position acceptance.
 
+The drafter, its heads, the scheduler and the cost table: docs/dspark.md.
+
 Shapes: B batch, S context slots, N draft blocks per row, K = block_size, D the target's
 d_model, V its vocab, F = len(layer_ids) * D, G = H = drafter heads, Kd = D / H.
 

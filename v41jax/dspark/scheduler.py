@@ -1,5 +1,7 @@
 """Confidence-scheduled verify lengths (DSpark, DeepSeek-V4.1 report).
 
+Worked examples of every basis and of the engine's measured cost table: docs/dspark.md.
+
 A decode step holds B requests, each with K drafts and per-draft confidences c [B, K] (the
 drafter's estimate of the conditional acceptance probability of draft j given drafts < j).
 The survival of draft j of request b (1-based) is the probability that it is accepted:

@@ -1,6 +1,8 @@
 """FP8 Engram tables: float8_e4m3fn storage with one float32 scale per row, or (V4.1's own
 format, ``quantize_blocks`` and below) one power-of-two UE8M0 scale per block of 32 values.
 
+Both formats side by side, with their bytes per row: docs/engram.md.
+
 Format: ``q = RN_e4m3(x / s)``, ``s = max|row| / 448`` (448 = largest e4m3fn value; an
 all-zero row gets ``s = 1`` and stays exactly zero), ``x_hat = q.astype(f32) * s``.
 

@@ -1,5 +1,7 @@
 """Hashed n-gram ids for Engram, bit-identical to the reference (arXiv 2601.07372).
 
+The spec with a worked example, and why the device path is exact without x64: docs/engram.md.
+
 For Engram layer l with odd multipliers m_0..m_{N-1} (`layer_multipliers`) and compressed ids
 x, the shifted streams are x_k[t] = x[t-k] (pad_id where t-k < 0), and for n in 2..N and
 head j:

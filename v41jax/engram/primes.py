@@ -1,5 +1,7 @@
 """Prime table sizes for Engram's hashed n-gram heads (Engram, arXiv 2601.07372, "Primes").
 
+Worked example and the table layouts: docs/engram.md.
+
 Every (layer, order, head) gets its own prime table size so that no two heads share a
 modulus. The assignment is the public demo's, bit for bit: one `seen` set across all layers,
 walked in `cfg.layer_ids` order; for each layer and each order n in 2..N the search starts at

@@ -1,5 +1,7 @@
 """Reference mHC: the paper's equations step by step, as pure functions of explicit params.
 
+The equations, the three forms and the traffic table: docs/mhc.md.
+
 mHC, "Manifold-Constrained Hyper-Connections" (arXiv 2512.24880). The
 residual state is n streams, x of shape [n, C] per token; around every sub-layer F
 

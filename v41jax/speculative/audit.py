@@ -1,5 +1,7 @@
 """Statistical audit: does a speculative verifier preserve the target distribution?
 
+What the audit checks and why: docs/speculative.md.
+
 A verifier (Leviathan et al. 2023) takes drafts d_j ~ q_j, j < K, the draft laws q (or None: one-hot
 drafts), target laws p_0 .. p_K and a verify length L <= K, and emits
 (d_0 .. d_{A-1}, t, -1 ..): the A accepted drafts, then one token t. With fixed tables p, q

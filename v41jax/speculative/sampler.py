@@ -1,5 +1,7 @@
 """The exact speculative sampler: accept drafts, then one token from the residual or bonus.
 
+The rule, its proof and the expected-tokens derivation, with examples: docs/speculative.md.
+
 Rule (Leviathan et al. 2023, Chen et al. 2023). Draft x ~ q; accept it if
 u < p(x)/q(x), computed as `u q(x) < p(x)` in float32 with u ~ U[0, 1); on rejection emit
 one token from r = max(0, p - q) / sum(max(0, p - q)) and stop; if all verified drafts are
