@@ -22,3 +22,7 @@ plan 1b-engram_tpu_nomicro --config 1b-engram --platform tpu --no-lower --set tr
 plan 1b-mhc_tpu_nomicro --config 1b-mhc --platform tpu --no-lower --set train.microbatches=1
 plan 8b-engram_cuda_nomicro --config 8b-engram --platform cuda --no-lower --set train.microbatches=1
 plan 8b-mhc_cuda_nomicro --config 8b-mhc --platform cuda --no-lower --set train.microbatches=1
+# layers outside a scan: XLA:CPU's schedule keeps what remat would recompute (full = none)
+plan 1b_tpu_unscanned --config 1b --platform tpu --no-lower --set model.scan_layers=false
+plan 1b_tpu_unscanned_noremat --config 1b --platform tpu --no-lower --set model.scan_layers=false \
+  --set model.remat_policy=none

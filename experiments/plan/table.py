@@ -16,6 +16,8 @@ ORDER = [
     "1b-mhc_tpu_nomicro",
     "8b-engram_cuda_nomicro",
     "8b-mhc_cuda_nomicro",
+    "1b_tpu_unscanned",
+    "1b_tpu_unscanned_noremat",
 ]
 GIB = 1 << 30
 
