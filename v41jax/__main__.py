@@ -46,10 +46,13 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def _load_config(args) -> config_lib.Config:
     name = args.config
     if name is None:  # resume a run from its own config; a new run defaults to `small`
-        saved = os.path.join(args.workdir, "config.json")
-        name = saved if os.path.exists(saved) else "small"
-        if name == "small":
-            print("no --config: training the `small` config", file=sys.stderr)
+        from v41jax.train.workdir import as_path, load_config
+
+        saved = as_path(args.workdir) / "config.json"  # any epath workdir (gs://...)
+        if saved.exists():
+            return config_lib.override(load_config(saved), args.overrides)
+        print("no --config: training the `small` config", file=sys.stderr)
+        name = "small"
     return config_lib.override(config_lib.get_config(name), args.overrides)
 
 

@@ -13,6 +13,11 @@ Causality in the kernel is by index, so it runs only where the layout is index-c
 blockwise path: KV-cache prefill and decode (T != S, kv positions = cache slots, queries
 at cache_index + t) statically, anything else non-index-causal at run time.
 
+Under a multi-device mesh (`jax.set_mesh`) the kernel runs per device inside a `shard_map`
+over the batch axes (and the tensor axis for heads, when it divides the q and kv heads):
+Mosaic kernels cannot be partitioned by GSPMD, and attention needs no communication when
+the sequence axis is not split (the logical rules never split it).
+
 T is padded to a block multiple inside: padded keys come after every real query, so the
 causal mask hides them; padded queries get a segment id of their own and see only padded
 keys (no empty rows). Blocks are multiples of 128 (TPU lanes). `interpret=True` runs the
@@ -27,7 +32,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.sharding import PartitionSpec as P
 
+from v41jax import sharding
 from v41jax.kernels.attention.blockwise import blockwise_attention
 from v41jax.kernels.attention.common import AttentionLayout, index_causal, round_up
 
@@ -139,14 +146,37 @@ def splash_attention(
         return fallback(*args)
 
     def kernel(q, k, v, layout):
-        return splash_kernel_attention(
-            q,
-            k,
-            v,
-            layout.q_segment_ids_BxT,
-            layout.kv_segment_ids_BxS,
-            block_size=block_size,
-            interpret=interpret,
-        )
+        run = functools.partial(splash_kernel_attention, block_size=block_size,
+                                interpret=interpret)  # fmt: skip
+        return _per_device(run, q, k, v, layout.q_segment_ids_BxT, layout.kv_segment_ids_BxS)
 
     return jax.lax.cond(index_causal(layout), kernel, fallback, *args)
+
+
+def _split_axes(mesh, logical: str, *sizes: int) -> tuple[str, ...]:
+    """The mesh axes (> 1 device) the rules give `logical`, if they divide every size."""
+    axes = tuple(a for a in sharding.mesh_axes_of(logical) if mesh.shape.get(a, 1) > 1)
+    n = math.prod(mesh.shape[a] for a in axes)
+    return axes if all(size % n == 0 for size in sizes) else ()
+
+
+def _per_device(run, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxT, kv_seg_BxS):
+    """`run` on each device's rows (and heads) under an active multi-device mesh, else
+    directly. Rows or heads the mesh axes do not divide are computed on every device of
+    those axes (same values), never dropped."""
+    mesh = jax.sharding.get_abstract_mesh()
+    args = (q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxT, kv_seg_BxS)
+    if mesh.empty or mesh.size == 1:
+        return run(*args)
+    batch = _split_axes(mesh, "batch", q_BxTxHxK.shape[0])
+    heads = _split_axes(mesh, "act_heads", q_BxTxHxK.shape[2], k_BxSxGxK.shape[2])
+    act = P(batch or None, None, heads or None, None)
+    seg = None if q_seg_BxT is None else P(batch or None, None)
+    smap = jax.shard_map(
+        lambda q, k, v, qs, ks: run(q, k, v, qs, ks),
+        mesh=mesh,
+        in_specs=(act, act, act, seg, seg),
+        out_specs=act,
+        check_vma=False,  # the Pallas call carries no varying-axes annotation
+    )
+    return smap(*args)
