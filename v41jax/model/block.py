@@ -15,9 +15,14 @@ Seams, extended by config without rewriting the block:
 - `make_ffn`: FFN modules keyed by a kind string (`FFN_KINDS`): "dense" (SwiGLU) or "moe"
   (`v41jax.model.moe.MoE`), chosen per layer by `ffn_kind_for_layer`.
 
+Each block also returns its features' per-layer values (`LayerStats`: mHC's H_res of both
+sub-layers, an MoE layer's `MoEStats`); the model reduces them over depth to its auxiliary
+loss and metrics (`feature_outputs`, `ModelOutput.aux_loss` / `.metrics`).
+
 `ScanBlock` is the same block as the body of `nn.scan` over a run of identical layers
 (`v41jax.model.layout`): carry (residual state, the run's stacked KV cache or None), scanned
-input the layer's index within the run, output its hidden state when the run holds a tap.
+input the layer's index within the run, output (its hidden state when the run holds a tap,
+else None; its `LayerStats`), stacked over the run.
 The sub-layer outputs are tagged `ATTN_OUT` / `FFN_OUT` for the remat policies.
 """
 
@@ -34,11 +39,11 @@ from flax import linen as nn
 
 from v41jax.config import ModelConfig
 from v41jax.engram import Engram
-from v41jax.mhc import MHCResidual, reduce_streams
+from v41jax.mhc import MHCResidual, composite_gain, reduce_streams
 from v41jax.mhc.layer import NormScale, SinglePassState, single_pass_materialize
 from v41jax.model.attention import Attention, AttentionLayout, KVCache
 from v41jax.model.layers import RMSNorm, SwiGLU
-from v41jax.model.moe import MoE, expert_width, is_moe_layer
+from v41jax.model.moe import MoE, expert_width, is_moe_layer, moe_summary
 from v41jax.model.remat import ATTN_OUT, FFN_OUT, tag
 
 RESIDUAL_AXES = ("batch", "length", "act_embed")
@@ -47,6 +52,33 @@ ENGRAM_IDS_PREFIX = "engram_ids_"
 # Row-sparse training and host tables: the layer's rows read outside the model, [U, head_dim];
 # its `engram_ids_<layer>` then hold slots into them (v41jax.engram.table_optim.unique_rows).
 ENGRAM_ROWS_PREFIX = "engram_rows_"
+
+
+# One block's feature values for the model's output, {} for a plain block:
+#   "h_res": (attention's, FFN's) H_res [B, T, n, n] with mHC (no gradient is taken of them)
+#   "moe":   the layer's `MoEStats` at an MoE layer
+LayerStats = dict[str, Any]
+
+
+def feature_outputs(cfg: ModelConfig, stats: list[LayerStats]) -> tuple[jax.Array, dict]:
+    """(aux_loss float32 [], metrics {name: float32 []}) of one forward pass from its blocks'
+    `LayerStats` in depth order: what the features add to the training loss and log.
+
+    MoE: aux_loss = `moe.aux_loss_weight * moe_aux_loss` and `moe_summary`'s metrics.
+    mHC: `mhc_forward_gain` / `mhc_backward_gain`, the worst token's composite gain of the
+    H_res product across depth (`composite_gain`; diagnostics only, no gradient).
+    """
+    aux_loss, metrics = jnp.zeros((), jnp.float32), {}
+    moe = moe_summary([s["moe"] for s in stats if "moe" in s])
+    if moe:
+        aux_loss = cfg.moe.aux_loss_weight * moe["moe_aux_loss"]
+        metrics.update(moe)
+    h_res = [h for s in stats for h in s.get("h_res", ())]
+    if h_res:
+        gains = composite_gain([jax.lax.stop_gradient(h) for h in h_res])
+        metrics["mhc_forward_gain"] = gains["forward_amax"]
+        metrics["mhc_backward_gain"] = gains["backward_amax"]
+    return aux_loss, metrics
 
 
 def engram_ids_key(layer: int) -> str:
@@ -97,7 +129,8 @@ def _dense_ffn(cfg: ModelConfig) -> nn.Module:
 
 def _moe_ffn(cfg: ModelConfig) -> nn.Module:
     dtype, param_dtype = _dtypes(cfg)
-    return MoE(cfg.moe, expert_width(cfg), cfg.init_std, _out_init_std(cfg), dtype, param_dtype)
+    width, out_std = expert_width(cfg), _out_init_std(cfg)
+    return MoE(cfg.moe, width, cfg.init_std, out_std, dtype, param_dtype, return_stats=True)
 
 
 FFN_KINDS: dict[str, Callable[[ModelConfig], nn.Module]] = {"dense": _dense_ffn, "moe": _moe_ffn}
@@ -109,14 +142,16 @@ def ffn_kind_for_layer(cfg: ModelConfig, layer: int) -> str:
 
 
 def make_ffn(cfg: ModelConfig, kind: str = "dense") -> nn.Module:
-    """The FFN module of kind `kind` (one of `FFN_KINDS`): [B, T, D] -> [B, T, D]."""
+    """The FFN module of kind `kind` (one of `FFN_KINDS`): [B, T, D] -> [B, T, D]
+    ("moe": -> ([B, T, D], `MoEStats`))."""
     if kind not in FFN_KINDS:
         raise ValueError(f"unknown FFN kind {kind!r}; known: {sorted(FFN_KINDS)}")
     return FFN_KINDS[kind](cfg)
 
 
 class Block(nn.Module):
-    """One pre-norm decoder block: [B, T, D] -> ([B, T, D], new KV cache or None)."""
+    """One pre-norm decoder block: [B, T, D] -> ([B, T, D], new KV cache or None,
+    `LayerStats`)."""
 
     cfg: ModelConfig
     layer_index: int
@@ -169,7 +204,7 @@ class Block(nn.Module):
 
     def __call__(
         self, x_BxTxD: Any, inputs: BlockInputs, cache: KVCache | None = None
-    ) -> tuple[Any, KVCache | None]:
+    ) -> tuple[Any, KVCache | None, LayerStats]:
         x_BxTxD = self.pre_attention(x_BxTxD, inputs)
 
         def attention(h):
@@ -182,13 +217,18 @@ class Block(nn.Module):
             )
             return tag(y, ATTN_OUT), new_cache
 
-        x_BxTxD, new_cache = self.residual(x_BxTxD, attention, "attn")
+        x_BxTxD, new_cache, h_res_attn = self.residual(x_BxTxD, attention, "attn")
 
         def ffn(h):
-            return tag(self.ffn(self._pre_norm(self.ffn_norm, h)), FFN_OUT), None
+            y = self.ffn(self._pre_norm(self.ffn_norm, h))
+            y, moe = y if self.ffn_kind == "moe" else (y, None)
+            return tag(y, FFN_OUT), moe
 
-        x_BxTxD, _ = self.residual(x_BxTxD, ffn, "ffn")
-        return x_BxTxD, new_cache
+        x_BxTxD, moe, h_res_ffn = self.residual(x_BxTxD, ffn, "ffn")
+        stats: LayerStats = {} if moe is None else {"moe": moe}
+        if h_res_attn is not None:
+            stats["h_res"] = (h_res_attn, h_res_ffn)
+        return x_BxTxD, new_cache, stats
 
     def pre_attention(self, x_BxTxD: Any, inputs: BlockInputs) -> Any:
         """Per-layer memory before attention: `h <- h + Engram(h, ids)` at the layers in
@@ -216,27 +256,29 @@ class Block(nn.Module):
         x: jax.Array,
         sublayer: Callable[[jax.Array], tuple[jax.Array, Any]],
         site: str,
-    ) -> tuple[Any, Any]:
-        """The residual connection around a sub-layer F; returns (new state, aux).
+    ) -> tuple[Any, Any, jax.Array | None]:
+        """The residual connection around a sub-layer F; returns (new state, aux, H_res).
 
         Plain: `x <- x + F(x)` on [B, T, C]. mHC (`cfg.mhc.n_streams >= 1`): the state is
-        [B, T, n, C] and `x <- H_res x + H_post^T F(H_pre x)`; H_res [B, T, n, n] is sown
-        as intermediates/h_res for the composite-gain diagnostics. `sublayer` maps a
-        [B, T, C] input to (output, aux) (aux: the new KV cache or None). Form "single_pass":
-        x is a `SinglePassState` and the site's norm scale goes to the mHC pass.
+        [B, T, n, C] and `x <- H_res x + H_post^T F(H_pre x)`; H_res [B, T, n, n] is
+        returned (None for the plain residual) and sown as intermediates/h_res, for the
+        composite-gain diagnostics. `sublayer` maps a [B, T, C] input to (output, aux)
+        (aux: the new KV cache, the FFN's `MoEStats`, or None). Form "single_pass": x is a
+        `SinglePassState` and the site's norm scale goes to the mHC pass.
         """
         if not self.cfg.mhc.enabled:
             y, aux = sublayer(x)
-            return nn.with_logical_constraint(x + y.astype(x.dtype), RESIDUAL_AXES), aux
+            return nn.with_logical_constraint(x + y.astype(x.dtype), RESIDUAL_AXES), aux, None
         mix = self.attn_mix if site == "attn" else self.ffn_mix
         if self._folded_norms:
             scale = (self.attn_norm if site == "attn" else self.ffn_norm)()
             state, aux, h_res_BxTxNxN = mix(x, sublayer, scale)
             self.sow("intermediates", "h_res", h_res_BxTxNxN)
-            return state._replace(x=nn.with_logical_constraint(state.x, STREAM_AXES)), aux
+            state = state._replace(x=nn.with_logical_constraint(state.x, STREAM_AXES))
+            return state, aux, h_res_BxTxNxN
         x_new, aux, h_res_BxTxNxN = mix(x, sublayer)
         self.sow("intermediates", "h_res", h_res_BxTxNxN)
-        return nn.with_logical_constraint(x_new, STREAM_AXES), aux
+        return nn.with_logical_constraint(x_new, STREAM_AXES), aux, h_res_BxTxNxN
 
 
 def block_readout(cfg: ModelConfig, x: Any) -> jax.Array:
@@ -266,9 +308,10 @@ def write_rows(stack: jax.Array, layer_cache: jax.Array, j: jax.Array, start_B, 
 class ScanBlock(Block):
     """`Block` as an `nn.scan` body over a run of identical layers (module docstring).
 
-    `(carry, j, inputs) -> (carry, hidden or None)`: carry = (residual state, stacked cache
-    {"k", "v"}: [L, B, S, G, K] or None), j int32 [] the layer's index in the run. With
-    `tap`, the layer's [B, T, D] hidden state is the scan output (stacked to [L, B, T, D]).
+    `(carry, j, inputs) -> (carry, (hidden or None, LayerStats))`: carry = (residual state,
+    stacked cache {"k", "v"}: [L, B, S, G, K] or None), j int32 [] the layer's index in the
+    run. With `tap`, the layer's [B, T, D] hidden state is output (stacked to [L, B, T, D]);
+    the stats are stacked likewise ([L, ...] leaves).
     """
 
     tap: bool = False
@@ -280,10 +323,10 @@ class ScanBlock(Block):
             layer_cache = jax.tree.map(
                 lambda c: jax.lax.dynamic_index_in_dim(c, j, 0, False), stack
             )
-        x, new_cache = Block.__call__(self, x, inputs, layer_cache)
+        x, new_cache, stats = Block.__call__(self, x, inputs, layer_cache)
         if stack is not None:
             t = inputs.positions_BxT.shape[1]
             stack = {
                 n: write_rows(stack[n], new_cache[n], j, inputs.cache_index_B, t) for n in stack
             }
-        return (x, stack), (block_readout(self.cfg, x) if self.tap else None)
+        return (x, stack), (block_readout(self.cfg, x) if self.tap else None, stats)

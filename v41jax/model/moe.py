@@ -30,7 +30,7 @@ ones: cf at capacity, E/k dropless (fine at small scale).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -166,23 +166,30 @@ def routed_experts(
     return y_BxTxD.astype(x_BxTxD.dtype), MoEStats(aux, dropped, load_E)
 
 
+def moe_summary(stats: Sequence[MoEStats]) -> dict[str, jax.Array]:
+    """Step metrics of the MoE layers of one forward pass, from their `MoEStats` in depth
+    order: `moe_aux_loss` and `moe_dropped_fraction` (means over MoE layers) and
+    `moe_max_load` (max over layers of max_e f_e / mean_e f_e; 1 = perfect balance).
+    {} without MoE layers. The training loss adds `aux_loss_weight * moe_aux_loss`."""
+    if not stats:
+        return {}
+    return {
+        "moe_aux_loss": jnp.mean(jnp.stack([s.aux_loss for s in stats])),
+        "moe_dropped_fraction": jnp.mean(jnp.stack([s.dropped_fraction for s in stats])),
+        "moe_max_load": jnp.max(
+            jnp.stack([s.expert_load.max() * s.expert_load.shape[0] for s in stats])
+        ),
+    }
+
+
 def moe_metrics(intermediates: Mapping) -> dict[str, jax.Array]:
-    """Step metrics from the `intermediates` sown by the MoE layers of one forward pass:
-    `moe_aux_loss` and `moe_dropped_fraction` (means over MoE layers) and `moe_max_load`
-    (max over layers of max_e f_e / mean_e f_e; 1 = perfect balance). {} without MoE."""
+    """`moe_summary` of the `intermediates` sown by the MoE layers of one forward pass
+    (`apply(..., mutable=["intermediates"])`). {} without MoE."""
     sown = {name: [] for name in SOWN}
     for path, values in traverse_util.flatten_dict(dict(intermediates)).items():
         if path[-1] in sown:
             sown[path[-1]].extend(values)
-    if not sown["moe_aux_loss"]:
-        return {}
-    return {
-        "moe_aux_loss": jnp.mean(jnp.stack(sown["moe_aux_loss"])),
-        "moe_dropped_fraction": jnp.mean(jnp.stack(sown["moe_dropped_fraction"])),
-        "moe_max_load": jnp.max(
-            jnp.stack([load.max() * load.shape[0] for load in sown["moe_expert_load"]])
-        ),
-    }
+    return moe_summary([MoEStats(*v) for v in zip(*(sown[n] for n in SOWN), strict=True)])
 
 
 class MoE(nn.Module):
@@ -191,7 +198,8 @@ class MoE(nn.Module):
     mlp, embed) and, with shared experts, `shared` (a SwiGLU of width S*F).
 
     Sows `moe_aux_loss`, `moe_dropped_fraction` and `moe_expert_load` into "intermediates"
-    (a no-op unless the caller makes that collection mutable, e.g. generation).
+    (a no-op unless the caller makes that collection mutable). With `return_stats` the call
+    returns (y, `MoEStats`) instead of y: how the block hands them to `ModelOutput`.
     """
 
     cfg: MoEConfig
@@ -200,9 +208,10 @@ class MoE(nn.Module):
     out_init_std: float = 0.02
     dtype: Dtype = jnp.float32
     param_dtype: Dtype = jnp.float32
+    return_stats: bool = False
 
     @nn.compact
-    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array | tuple[jax.Array, MoEStats]:
         c = self.cfg
         if c.num_experts < 1:
             raise ValueError(f"MoE needs moe.num_experts >= 1, got {c.num_experts}")
@@ -239,4 +248,4 @@ class MoE(nn.Module):
                 name="shared",
             )
             y_BxTxD = y_BxTxD + shared(x_BxTxD)
-        return y_BxTxD
+        return (y_BxTxD, stats) if self.return_stats else y_BxTxD

@@ -18,6 +18,12 @@ single_pass layer 0) split the runs; a run of one is a plain "block_{i}", as is 
 with scan_layers=False. `cfg.remat_policy` wraps each block in `nn.remat` (inside the scan
 body) with a named policy (`v41jax.model.remat`).
 
+Features hand their auxiliary losses and metrics up through the output: every block returns
+its `LayerStats` (scanned runs stack them), and `feature_outputs` reduces them in depth order
+to `ModelOutput.aux_loss` (MoE's weighted balance loss) and `ModelOutput.metrics` (MoE
+routing statistics, mHC composite gains), so a training loop adds the one and logs the other
+without knowing which features are on.
+
 KV cache: a dict {segment name: {"k", "v"}}, [L_run, B, S, G, K] for a scanned run (the scan
 carry, written in place: only the T new slots of each layer) and [B, S, G, K] for a block
 (`v41jax.model.generate.init_cache` builds it for the model's segments).
@@ -53,6 +59,7 @@ from v41jax.model.block import (  # noqa: F401 (re-exported: the model's public 
     block_readout,
     engram_ids_key,
     engram_rows_key,
+    feature_outputs,
     ffn_kind_for_layer,
     make_ffn,
 )
@@ -75,6 +82,10 @@ class ModelOutput(NamedTuple):
     # [B, T]: logsumexp of each position's logits and the target's logit
     lse: jax.Array | None = None
     target_logit: jax.Array | None = None
+    # the features' auxiliary loss, float32 [] (0 without one), to be added to the training
+    # loss, and their metrics {name: float32 []} (block.feature_outputs)
+    aux_loss: jax.Array | float = 0.0
+    metrics: Mapping[str, jax.Array] = {}
 
 
 def check_cache(cfg: ModelConfig, cache: Any) -> None:
@@ -97,11 +108,13 @@ def check_cache(cfg: ModelConfig, cache: Any) -> None:
 
 
 def _run_segment(cfg, seg: Segment, x, inputs, cache, taps):
-    """Segment `seg` on residual state x; returns (x, new cache or None, {layer: hidden})."""
+    """Segment `seg` on residual state x; returns (x, new cache or None, {layer: hidden},
+    [LayerStats of each of its layers, in order])."""
     if not seg.scanned:
         block = remat_block(Block, cfg.remat_policy, scanned=False)
-        x, new_cache = block(cfg, seg.start, seg.ffn_kind, name=seg.name)(x, inputs, cache)
-        return x, new_cache, ({seg.start: block_readout(cfg, x)} if seg.start in taps else {})
+        x, new_cache, stats = block(cfg, seg.start, seg.ffn_kind, name=seg.name)(x, inputs, cache)
+        hidden = {seg.start: block_readout(cfg, x)} if seg.start in taps else {}
+        return x, new_cache, hidden, [stats]
     tapped = [i for i in range(seg.start, seg.stop) if i in taps]
     scan = nn.scan(
         remat_block(ScanBlock, cfg.remat_policy, scanned=True),
@@ -112,8 +125,9 @@ def _run_segment(cfg, seg: Segment, x, inputs, cache, taps):
         metadata_params={nn.PARTITION_NAME: "layers"},
     )
     body = scan(cfg, seg.start, seg.ffn_kind, tap=bool(tapped), name=seg.name)
-    (x, new_cache), ys = body((x, cache), jnp.arange(seg.stop - seg.start), inputs)
-    return x, new_cache, {i: ys[i - seg.start] for i in tapped}
+    (x, new_cache), (ys, stacked) = body((x, cache), jnp.arange(seg.stop - seg.start), inputs)
+    stats = [jax.tree.map(lambda a, j=j: a[j], stacked) for j in range(seg.stop - seg.start)]
+    return x, new_cache, {i: ys[i - seg.start] for i in tapped}, stats
 
 
 class Transformer(nn.Module):
@@ -205,13 +219,15 @@ class Transformer(nn.Module):
         if single_pass:  # lagged state: X_0 with the one-hot pre-mapping
             x_BxTxD = single_pass_init(x_BxTxD)
 
-        new_caches = {}
+        new_caches, stats = {}, []
         for seg in layer_segments(c):
             seg_cache = None if cache is None else cache[seg.name]
-            x_BxTxD, new_caches[seg.name], taps = _run_segment(
+            x_BxTxD, new_caches[seg.name], taps, seg_stats = _run_segment(
                 c, seg, x_BxTxD, inputs, seg_cache, hidden_layers
             )
             hidden.update(taps)
+            stats.extend(seg_stats)
+        aux_loss, metrics = feature_outputs(c, stats)
 
         if single_pass:  # the last pass writes the head's normalised input
             scale = NormScale(c.d_model, param_dtype, name="final_norm")()
@@ -240,8 +256,8 @@ class Transformer(nn.Module):
         new_caches = new_caches if cache is not None else None
         if targets_BxT is not None and c.logits_chunk and not self.is_initializing():
             lse, target = chunked_head_stats(head, x_BxTxD, targets_BxT, c.logits_chunk)
-            return ModelOutput(None, hidden, new_caches, lse, target)
-        return ModelOutput(head(x_BxTxD), hidden, new_caches)
+            return ModelOutput(None, hidden, new_caches, lse, target, aux_loss, metrics)
+        return ModelOutput(head(x_BxTxD), hidden, new_caches, aux_loss=aux_loss, metrics=metrics)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -4,8 +4,11 @@ Loss per token t (logits z, target y, mask m):
     ce_t = logsumexp(z_t) - z_t[y_t]
     loss = sum_t m_t ce_t / sum_t m_t  +  z_coef * sum_t m_t logsumexp(z_t)^2 / sum_t m_t
 The z-loss term (PaLM) keeps the softmax normaliser near 1 so bf16 logits stay in range.
-With MoE layers the training loss adds `moe.aux_loss_weight * mean_l aux_l`, the mean over
-MoE layers of the load-balancing loss `E * sum_e f_e P_e` (v41jax/model/moe.py).
+The model's features add their auxiliary loss (`ModelOutput.aux_loss`, e.g. MoE's weighted
+load-balancing loss) and hand their metrics up in `ModelOutput.metrics` (e.g. MoE routing
+statistics, mHC composite gains): the step adds the one and logs the other, without knowing
+which features produced them. Batch entries other than the base keys (`BASE_BATCH_KEYS`)
+go to the model as its per-token `extras` (e.g. Engram hash ids or pre-gathered rows).
 """
 
 from __future__ import annotations
@@ -19,10 +22,8 @@ from jax.sharding import Mesh
 
 from v41jax import sharding
 from v41jax.config import Config
-from v41jax.mhc import composite_gain
-from v41jax.model import ENGRAM_IDS_PREFIX, ENGRAM_ROWS_PREFIX, engram_rows_key, moe_metrics
-from v41jax.model.layout import unscan_tree
-from v41jax.train.batches import batch_keys
+from v41jax.model import ENGRAM_ROWS_PREFIX, engram_rows_key
+from v41jax.train.batches import BASE_BATCH_KEYS, batch_keys
 from v41jax.train.host_tables import uses_host_tables
 from v41jax.train.microbatch import accumulated_grads
 from v41jax.train.optimizer import lr_schedule, module_norms, schedule_length
@@ -55,49 +56,23 @@ def loss_from_stats(
 
 
 def _forward_loss(model, params, batch, z_loss):
-    """Loss and metrics of one batch; with mHC also the composite gain of the H_res
-    product across depth (`mhc_forward_gain` / `mhc_backward_gain`, worst token); with MoE
-    the weighted aux loss joins the loss and `moe_aux_loss`, `moe_dropped_fraction`,
-    `moe_max_load` the metrics."""
-    prefixes = (ENGRAM_IDS_PREFIX, ENGRAM_ROWS_PREFIX)
-    extras = {k: v for k, v in batch.items() if k.startswith(prefixes)}
-    out, state = model.apply(
+    """(loss, metrics) of one batch: the token loss plus the model's `aux_loss`; metrics
+    those of `loss_from_stats` (loss then the total) and the model's `metrics`."""
+    extras = {k: v for k, v in batch.items() if k not in BASE_BATCH_KEYS}
+    out = model.apply(
         {"params": params},
         batch["inputs"],
         batch["positions"],
         batch["segment_ids"],
         extras=extras,
         targets_BxT=batch["targets"],
-        mutable=["intermediates"],
     )
     if out.logits is None:  # the chunked head (model.logits_chunk): no [B, T, V] logits
         loss, metrics = loss_from_stats(out.lse, out.target_logit, batch["loss_mask"], z_loss)
     else:
         loss, metrics = next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
-    # scanned runs sow stacked [L_run, ...] values: read them per block, in depth order
-    intermediates = unscan_tree(state.get("intermediates", {}), model.cfg.num_layers)
-    moe = moe_metrics(intermediates)
-    if moe:
-        loss = loss + model.cfg.moe.aux_loss_weight * moe["moe_aux_loss"]
-        metrics = dict(metrics, loss=loss, **moe)
-    h_res = _h_res_in_depth_order(intermediates, model.cfg.num_layers)
-    if h_res:
-        gains = composite_gain([jax.lax.stop_gradient(h) for h in h_res])
-        metrics = dict(
-            metrics,
-            mhc_forward_gain=gains["forward_amax"],
-            mhc_backward_gain=gains["backward_amax"],
-        )
-    return loss, metrics
-
-
-def _h_res_in_depth_order(intermediates: dict, num_layers: int) -> list:
-    """[H_res of block 0 attention, block 0 FFN, block 1 attention, ...] as sown, from
-    intermediates in the unscanned layout (`unscan_tree`)."""
-    out = []
-    for i in range(num_layers):
-        out.extend(intermediates.get(f"block_{i}", {}).get("h_res", ()))
-    return out
+    loss = loss + out.aux_loss
+    return loss, dict(metrics, loss=loss, **out.metrics)
 
 
 def make_train_step(
