@@ -242,6 +242,7 @@ SECTIONS = (
     ("tables_rowwise_1e9", "Train step, 1e6 vs 1e9 table, rowwise_adagrad", tables_table),
     ("host_decode", "Decoding with host and file tables", host_decode_table),
     ("host_decode_deep", "Decoding with host and file tables, a deeper model", host_decode_table),
+    ("host_decode_deep_b8", "The deeper model at batch 8, a second run", host_decode_table),
 )
 
 
