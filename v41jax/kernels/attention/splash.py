@@ -173,7 +173,7 @@ def _per_device(run, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxT, kv_seg_BxS):
     act = P(batch or None, None, heads or None, None)
     seg = None if q_seg_BxT is None else P(batch or None, None)
     smap = jax.shard_map(
-        lambda q, k, v, qs, ks: run(q, k, v, qs, ks),
+        run,
         mesh=mesh,
         in_specs=(act, act, act, seg, seg),
         out_specs=act,
