@@ -37,7 +37,7 @@ from report import write_report  # noqa: E402
 from v41jax import config as config_lib  # noqa: E402
 from v41jax.bench.common import machine_info  # noqa: E402
 from v41jax.data import prepare_data  # noqa: E402
-from v41jax.data.corpus import default_corpus_dir  # noqa: E402
+from v41jax.data.corpus import split_speeches_by_year  # noqa: E402
 from v41jax.dspark import analysis as A  # noqa: E402
 from v41jax.dspark.config import DrafterRunConfig  # noqa: E402
 from v41jax.dspark.drafter import frozen_target  # noqa: E402
@@ -51,21 +51,6 @@ from v41jax.train import load_run, train  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- training
-def split_texts(runs_dir: str) -> tuple[str, str]:
-    """Folders of symlinks to the corpus speeches before / from config.SPLIT_YEAR."""
-    src = default_corpus_dir()
-    early, late = (os.path.join(runs_dir, "texts", n) for n in ("early", "late"))
-    for folder in (early, late):
-        os.makedirs(folder, exist_ok=True)
-    for name in sorted(os.listdir(src)):
-        if not name.endswith(".txt"):
-            continue
-        dest = os.path.join(early if int(name[:4]) < C.SPLIT_YEAR else late, name)
-        if not os.path.exists(dest):
-            os.symlink(os.path.join(src, name), dest)
-    return early, late
-
-
 def _drafter_cfg(name: str, steps: int, data_dir: str | None = None) -> DrafterRunConfig:
     sets = C.DRAFTER_COMMON + {**C.DRAFTERS, **C.ABLATIONS}[name] + [f"train.steps={steps}"]
     if data_dir:
@@ -81,7 +66,7 @@ def _finished(result: dict) -> None:
 
 
 def train_all(runs_dir: str) -> dict:
-    early, late = split_texts(runs_dir)
+    early, late = split_speeches_by_year(os.path.join(runs_dir, "texts"), C.SPLIT_YEAR)
     w = {"target": os.path.join(runs_dir, "target"), "post": os.path.join(runs_dir, "post")}
     _finished(train(C.target_config(early), w["target"]))
     _finished(train(C.post_config(late, w["target"]), w["post"]))

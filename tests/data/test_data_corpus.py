@@ -124,3 +124,15 @@ def test_cache_dir_resolution(monkeypatch):
     assert corpus.resolve_cache_dir("/explicit") == "/explicit"
     monkeypatch.delenv("V41JAX_CACHE")
     assert corpus.resolve_cache_dir("").endswith(os.path.join(".cache", "v41jax"))
+
+
+def test_split_speeches_by_year_partitions_the_corpus(tmp_path):
+    from v41jax.data.corpus import split_speeches_by_year
+
+    early, late = split_speeches_by_year(str(tmp_path / "texts"), 1946)
+    src = sorted(n for n in os.listdir(default_corpus_dir()) if n.endswith(".txt"))
+    got_early, got_late = sorted(os.listdir(early)), sorted(os.listdir(late))
+    assert sorted(got_early + got_late) == src
+    assert got_early and got_late
+    assert all(int(n[:4]) < 1946 for n in got_early) and all(int(n[:4]) >= 1946 for n in got_late)
+    assert split_speeches_by_year(str(tmp_path / "texts"), 1946) == (early, late)  # idempotent

@@ -84,6 +84,26 @@ def default_corpus_dir() -> str:
     return speeches
 
 
+def split_speeches_by_year(dest_root: str, year: int) -> tuple[str, str]:
+    """Folders `dest_root/early` and `dest_root/late` of symlinks to the default corpus's
+    speeches dated before / from `year` (file names start with the year: a real shift of
+    register between the two, e.g. for a target and its post-training stand-in).
+    Idempotent: existing links are kept. Returns (early, late)."""
+    src = default_corpus_dir()
+    early, late = (os.path.join(dest_root, n) for n in ("early", "late"))
+    for folder in (early, late):
+        os.makedirs(folder, exist_ok=True)
+    for name in sorted(os.listdir(src)):
+        if not name.endswith(".txt"):
+            continue
+        if not name[:4].isdigit():
+            raise ValueError(f"corpus file {name!r} in {src!r} does not start with a year")
+        dest = os.path.join(early if int(name[:4]) < year else late, name)
+        if not os.path.lexists(dest):
+            os.symlink(os.path.join(src, name), dest)
+    return early, late
+
+
 def _read_text(path: str) -> str:
     # Read bytes and decode strictly: newlines are kept exactly as on disk (no universal
     # newline translation), so the tokenizer sees the file's real content.
