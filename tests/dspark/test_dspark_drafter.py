@@ -14,7 +14,14 @@ from scipy import stats
 
 from v41jax.config import ModelConfig
 from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import Drafter, DrafterOutput, FrozenTarget, frozen_target
+from v41jax.dspark.drafter import (
+    Drafter,
+    DrafterOutput,
+    FrozenTarget,
+    draft_confidence,
+    frozen_target,
+    previous_tokens,
+)
 from v41jax.dspark.markov import markov_bias, markov_draft, teacher_forced_logits
 from v41jax.model.sampling import sampling_probs
 from v41jax.model.transformer import init_params
@@ -333,3 +340,60 @@ def test_bad_inputs_raise():
             jnp.zeros((1, 1), jnp.int32),
             jnp.full((1, 1, 2), 5),
         )
+
+
+# ----------------------------------------------------------------------------- confidence heads
+
+
+def test_draft_confidence_of_both_heads():
+    """ "hidden": bitwise sigmoid(confidence_logits), its param tree unchanged; "prev_token":
+    sigmoid(hidden part + u(x_{k-1}) . w_p) by hand, w_p = 0 at init (the hidden head), and
+    the confidence loss trains w_p but not the Markov table u (stop_gradient)."""
+    args = (_frozen(), *_inputs(2, 9, 3, seed=4))
+    prev_cfg = dataclasses.replace(MASK_CFG, confidence_input="prev_token")
+    hid_model, prev_model = Drafter(MASK_CFG, TARGET), Drafter(prev_cfg, TARGET)
+    hid = hid_model.init(jax.random.key(0), *args)["params"]
+    prev = prev_model.init(jax.random.key(0), *args)["params"]
+    assert set(_flat(prev)) == set(_flat(hid)) | {"confidence_prev"}
+    assert _flat(prev)["confidence_prev"].shape == (MASK_CFG.markov_rank,)
+    rng = np.random.default_rng(5)
+    drafts = jnp.asarray(rng.integers(0, V, size=(2, 3, 3)), jnp.int32)
+    tokens = previous_tokens(args[4], drafts)
+    np.testing.assert_array_equal(np.asarray(tokens[..., 0]), np.asarray(args[4]))
+    np.testing.assert_array_equal(np.asarray(tokens[..., 1:]), np.asarray(drafts[..., :-1]))
+    out = hid_model.apply({"params": hid}, *args)
+    got = draft_confidence(hid, MASK_CFG, out, jnp.zeros_like(tokens))
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(jax.nn.sigmoid(out.confidence_logits))
+    )
+    out_p = prev_model.apply({"params": prev}, *args)
+    np.testing.assert_array_equal(
+        np.asarray(out_p.confidence_logits), np.asarray(out.confidence_logits)
+    )
+    np.testing.assert_allclose(draft_confidence(prev, prev_cfg, out_p, tokens), got, rtol=1e-6)
+    w_p = rng.normal(size=MASK_CFG.markov_rank).astype(np.float32)
+    prev = {**nn.unbox(prev), "confidence_prev": jnp.asarray(w_p)}
+    u = np.asarray(nn.unbox(prev["markov"]["u"]), np.float64)
+    logit = np.asarray(out_p.confidence_logits, np.float64) + u[np.asarray(tokens)] @ w_p
+    got = draft_confidence(prev, prev_cfg, out_p, tokens)
+    np.testing.assert_allclose(np.asarray(got), 1 / (1 + np.exp(-logit)), rtol=1e-5)
+    grads = jax.grad(lambda dp: jnp.sum(draft_confidence(dp, prev_cfg, out_p, tokens)))(prev)
+    assert not np.asarray(grads["markov"]["u"]).any()
+    assert np.abs(np.asarray(grads["confidence_prev"])).max() > 0
+    with pytest.raises(ValueError, match="prev_tokens has shape"):
+        draft_confidence(prev, prev_cfg, out_p, tokens[..., :2])
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(confidence_input="sampled"), "'sampled'"),
+        (dict(confidence_input="prev_token", markov_rank=0), "markov_rank=0"),
+        (dict(confidence_input="prev_token", kind="parallel", markov_rank=0), "'parallel'"),
+    ],
+)
+def test_confidence_input_is_validated(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DrafterConfig(**kw)
+    assert DrafterConfig().confidence_input == "hidden"

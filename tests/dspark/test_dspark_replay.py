@@ -118,3 +118,28 @@ def test_stack_rounds_and_bad_input_is_named():
         replay_policies(conf, length, acc, active, cost, bases=("total",))
     with pytest.raises(ValueError, match="CostTable"):
         replay_policies(conf, length, acc, active, {"tokens": (8,)})
+
+
+@pytest.mark.parametrize("admission", ["global", "early_stop"])
+def test_width_zero_replays_as_a_plain_decode_step(admission):
+    """A B-token entry in the table: width 0 emits one token per active row at cost(B) ("plain",
+    a candidate of the scheduler and the oracle); a cheap plain step drives every round to 0,
+    a dear one never; without the entry "plain" is None and widths start at 1."""
+    conf, length, acc, active = random_log(seed=2)
+    b, k = active.shape[1], conf.shape[2]
+    live = active.any(1)
+    for secs0, expect in ((0.2, 0.0), (5.0, None)):
+        cost = CostTable(tuple(b * (1 + w) for w in range(k + 1)), (secs0, 1.0, 1.3, 2.2))
+        out = replay_policies(conf, length, acc, active, cost, admission=admission)
+        plain = active.sum() / (live.sum() * secs0)
+        assert out["plain"] == pytest.approx(plain)
+        assert out["oracle"] >= max(out["fixed"] + [plain]) - 1e-12
+        if expect is not None:
+            assert out["scheduled_widths"]["width"] == expect
+            assert out["scheduled"]["width"] == pytest.approx(plain)
+        else:
+            assert out["scheduled_widths"]["width"] >= 1
+    cost = CostTable(tuple(b * (1 + w) for w in range(1, k + 1)), (1.0, 1.3, 2.2))
+    assert replay_policies(conf, length, acc, active, cost, admission=admission)["plain"] is None
+    widths, _ = oracle_widths(np.array([[5.0, 1.0]]), np.ones((1, 2)), first=0)
+    assert widths.tolist() == [0]

@@ -300,3 +300,98 @@ def test_scheduler_rejects_a_cost_that_extrapolates_to_zero():
     steep = CostTable((100, 101), (1.0, 2.0))  # 0 s at 99 tokens and below
     with pytest.raises(ValueError, match="<= 0 at 4 tokens"):
         schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), steep)
+
+
+# ---- admission="early_stop" and width 0 (basis "width"; v41jax/dspark/admission.py) -------
+
+
+def _with_width_zero(cost: CostTable, b: int, frac: float) -> CostTable:
+    """`cost` plus a B-token entry (a plain decode step) at frac * cost(2 B)."""
+    pts = dict(zip(cost.tokens, cost.seconds, strict=True)) | {b: frac * cost(2 * b)}
+    return CostTable(tuple(sorted(pts)), tuple(pts[t] for t in sorted(pts)))
+
+
+@pytest.mark.parametrize("admission", ["global", "early_stop"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("b", [1, 3, 7])
+def test_admissions_and_width_zero_match_the_reference(b, k, admission):
+    """Random confidences, odd B and K, with and without a B-token entry (width 0), random
+    finished rows and useful counts: the jitted scheduler equals the float64 loop; early_stop
+    stops where the next width does not raise the throughput, after strict rises only."""
+    rng = np.random.default_rng(100 * b + k)
+    seen = set()
+    for seed, base in itertools.product(range(2), (STAIRS, AFFINE)):
+        conf = _confidences(seed + 7 * b + k, b, k)
+        act = rng.uniform(size=b) < 0.8
+        use = rng.integers(0, k + 1, b).astype(np.int32)
+        for cost in (base, _with_width_zero(base, b, rng.uniform(0.3, 0.9))):
+            kw = dict(basis="width", admission=admission, active_B=act, useful_B=use)
+            got = schedule_verify_lengths(conf, cost, **kw)
+            ref = schedule_reference(conf, cost, "width", admission=admission, active=act,
+                                     useful=use)  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(got.verify_len), ref.verify_len)
+            for field in ("expected_tokens", "throughput", "full_throughput"):
+                np.testing.assert_allclose(getattr(got, field), getattr(ref, field), rtol=1e-5)
+            w, w0 = int(ref.verify_len[0]), 0 if b in cost.tokens else 1
+            seen.add(w)
+            assert w0 <= w <= k
+            if admission == "early_stop":
+                surv = np.cumprod(conf.astype(np.float64), 1) * act[:, None]
+                surv *= np.arange(1, k + 1) <= use[:, None]
+                thr = [(act.sum() + surv[:, :v].sum()) / cost(b * (1 + v)) for v in range(k + 1)]
+                assert all(thr[v + 1] > thr[v] for v in range(w0, w))
+                assert w == k or thr[w + 1] <= thr[w]
+    assert len(seen) >= 2 or k == 1
+
+
+def test_early_stop_takes_the_first_local_maximum_without_fallback():
+    """B = 1, K = 5 (the global-argmax example above, at the same token counts 1 + w):
+    throughput 1.9, 1.69, 2.15, 2.56, 2.06 over w = 1..5. The global rule takes w = 4; the
+    stopping rule stops at w = 1 (2 does not beat it); no min_gain fallback to K."""
+    cost = CostTable((2, 3, 4, 5, 6), (1.0, 1.6, 1.6, 1.6, 2.0))
+    conf = np.array([[0.9, 0.9, 0.9, 0.9, 0.05]], np.float32)
+    glob = schedule_verify_lengths(conf, cost, basis="width")
+    stop = schedule_verify_lengths(conf, cost, basis="width", admission="early_stop")
+    assert glob.verify_len.tolist() == [4] and stop.verify_len.tolist() == [1]
+    np.testing.assert_allclose(float(stop.throughput), 1.9, rtol=1e-6)
+    flat = CostTable((2, 6), (1.0, 1.0))  # throughput rises all the way: verify K
+    rising = schedule_verify_lengths(conf, flat, basis="width", admission="early_stop")
+    assert rising.verify_len.tolist() == [5]
+    # throughput 1.3 at w = 1, below it after, 1.2935 at K: "global" falls back to K (gain
+    # under 1%), the stopping rule stays at 1
+    low = np.array([[0.3, 0.3, 0.3, 0.3, 0.3]], np.float32)
+    nearly = CostTable((2, 3, 6), (1.0, 1.1, 1.1036))
+    assert schedule_verify_lengths(low, nearly, basis="width").verify_len.tolist() == [5]
+    stop = schedule_verify_lengths(low, nearly, basis="width", admission="early_stop")
+    assert stop.verify_len.tolist() == [1]
+
+
+@pytest.mark.parametrize("admission", ["global", "early_stop"])
+def test_width_zero_is_a_plain_decode_step(admission):
+    """With a B-token entry: hopeless drafts -> width 0 (B / cost(B) beats every w >= 1),
+    sure ones -> K; under early_stop a tie 0 vs 1 stays at 0; without the entry never 0
+    (today's w >= 1)."""
+    b, k = 3, 4
+    cost = CostTable((3, 6, 15), (1.0, 1.5, 2.0))
+    kw = dict(basis="width", admission=admission)
+    zeros = schedule_verify_lengths(np.zeros((b, k), np.float32), cost, **kw)
+    assert zeros.verify_len.tolist() == [0] * b and int(zeros.budget) == 0
+    np.testing.assert_allclose(float(zeros.throughput), b / 1.0)
+    assert schedule_verify_lengths(np.ones((b, k), np.float32), cost, **kw).verify_len[0] == k
+    if admission == "early_stop":  # the step 0 -> 1 needs a strict gain
+        tie = CostTable((3, 6, 15), (1.0, 2.0, 4.0))  # c = 1: throughput(0) = 3 = throughput(1)
+        assert schedule_verify_lengths(np.ones((b, k), np.float32), tie, **kw).verify_len[0] == 0
+    no_entry = CostTable((6, 15), (1.5, 2.0))
+    got = schedule_verify_lengths(np.zeros((b, k), np.float32), no_entry, **kw)
+    assert got.verify_len.tolist() == [1] * b
+
+
+def test_admission_is_validated():
+    conf = np.full((2, 2), 0.5, np.float32)
+    with pytest.raises(ValueError, match="'greedy'"):
+        schedule_verify_lengths(conf, STAIRS, basis="width", admission="greedy")
+    for basis in ("total", "padded"):
+        with pytest.raises(ValueError, match=f"basis 'width' only, not '{basis}'"):
+            schedule_verify_lengths(conf, STAIRS, basis=basis, admission="early_stop")
+        with pytest.raises(ValueError, match="early_stop"):
+            schedule_reference(conf, STAIRS, basis, admission="early_stop")

@@ -229,3 +229,56 @@ def test_a_drafter_kind_sets_its_own_defaults():
     assert (parallel.kind, parallel.markov_rank, parallel.block_size) == ("parallel", 0, 5)
     with pytest.raises(ValueError, match="block_size=3 != 1"):  # an explicit value still wins
         override_run_config(DrafterRunConfig(), ["drafter.kind=mtp1", "drafter.block_size=3"])
+
+
+@pytest.mark.parametrize("head", ["hidden", "prev_token"])
+def test_a_short_run_lowers_the_confidence_bce_of_either_head(target, head):
+    """30 steps on one fixed batch (fixed anchors): the confidence BCE against 1 - TV falls,
+    for the "prev_token" head too (its term reads the true previous token, teacher forced)."""
+    import jax.numpy as jnp
+
+    from v41jax.dspark.drafter import frozen_target
+    from v41jax.dspark.objective import eval_metrics
+    from v41jax.dspark.train import init_drafter_params, make_train_step
+
+    run = load_run(target)
+    cfg = drafter_cfg(f"drafter.confidence_input={head}", "train.lr=3e-3", "train.warmup_steps=0")
+    cfg = config_lib.override(cfg, ["train.steps=30"])
+    tcfg = run.cfg.model
+    layer_ids = cfg.drafter.layer_ids_for(tcfg.num_layers)
+    frozen = frozen_target(run.params, tcfg)
+    params = init_drafter_params(cfg, tcfg, frozen, seed=0)
+    assert ("confidence_prev" in params) == (head == "prev_token")
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, tcfg.vocab_size, (4, 33)), jnp.int32)
+    batch = {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "positions": jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), (4, 32)),
+        "segment_ids": jnp.ones((4, 32), jnp.int32),
+    }
+    anchors = jnp.asarray(rng.integers(0, 31, (4, 4)), jnp.int32)
+    kw = dict(drafter=cfg.drafter, target_cfg=tcfg, train=cfg.train, layer_ids=layer_ids)
+    before = float(eval_metrics(params, run.params, frozen, batch, anchors, **kw)["conf_bce"])
+    opt, step = make_train_step(cfg, tcfg, layer_ids)
+    state = {"params": params, "opt_state": opt.init(params)}
+    for _ in range(30):
+        state, _ = step(state, run.params, frozen, batch, anchors)
+    after = float(
+        eval_metrics(state["params"], run.params, frozen, batch, anchors, **kw)["conf_bce"]
+    )
+    assert np.isfinite(after) and after < 0.9 * before, (before, after)
+
+
+def test_a_drafter_json_without_confidence_input_still_loads(target, drafter):
+    """Runs saved before the field read as confidence_input="hidden" and still resume."""
+    workdir = _copy(drafter, "old_json")
+    path = os.path.join(workdir, "drafter.json")
+    with open(path) as f:
+        record = json.load(f)
+    del record["config"]["drafter"]["confidence_input"]
+    with open(path, "w") as f:
+        json.dump(record, f)
+    cfg, _, _ = load_drafter(workdir)
+    assert cfg.drafter.confidence_input == "hidden"
+    train_drafter(drafter_cfg(), target, workdir, progress=False)  # resumes (finished)

@@ -13,6 +13,7 @@ from v41jax import config as config_lib
 DRAFTER_KINDS = ("dspark", "parallel", "mtp1")
 # What each kind fixes: `--set drafter.kind=mtp1` alone is a valid drafter.
 KIND_DEFAULTS = {"dspark": {}, "parallel": {"markov_rank": 0}, "mtp1": {"block_size": 1}}
+CONFIDENCE_INPUTS = ("hidden", "prev_token")
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -37,6 +38,14 @@ class DrafterConfig:
         too (`v41jax.dspark.markov`: u_k = u(x_{k-1}) + gelu(hidden_k h + t(x_{k-1})) o,
         an MLP of width H); 0 = the plain low-rank transition.
     d_ff: SwiGLU width of the drafter blocks; 0 -> the target's d_ff.
+    confidence_input: what the confidence head reads (`v41jax.dspark.drafter.draft_confidence`,
+        docs/dspark.md section 3). "hidden": c_k = sigmoid(w . hidden_k + b), fixed before any
+        draft is sampled, so any function of the confidences may pick the verify length.
+        "prev_token" (the DSpark paper's head, arXiv 2607.05147): c_k = sigmoid(w . [hidden_k ;
+        u(x_{k-1})] + b) with u the Markov head's previous-token table and x_0 the anchor; it
+        depends on the sampled drafts, so only a stopping rule (the scheduler's
+        admission="early_stop") keeps the output law. Needs the Markov head (kind "dspark",
+        markov_rank > 0). Runs saved before this field read as "hidden".
     """
 
     kind: str = "dspark"
@@ -48,6 +57,7 @@ class DrafterConfig:
     window: int = 128
     markov_rank: int = 32
     markov_context: int = 0
+    confidence_input: str = "hidden"
     norm_eps: float = 1e-6
     init_std: float = 0.02
 
@@ -64,6 +74,16 @@ class DrafterConfig:
         _require(
             self.markov_context == 0 or (self.kind == "dspark" and self.markov_rank > 0),
             f"drafter.markov_context={self.markov_context} needs the Markov head "
+            f"(kind='dspark', markov_rank > 0; got kind={self.kind!r}, "
+            f"markov_rank={self.markov_rank})",
+        )
+        _require(
+            self.confidence_input in CONFIDENCE_INPUTS,
+            f"drafter.confidence_input={self.confidence_input!r} not in {CONFIDENCE_INPUTS}",
+        )
+        _require(
+            self.confidence_input != "prev_token" or self.uses_markov,
+            f"drafter.confidence_input='prev_token' reads the Markov head's previous-token table "
             f"(kind='dspark', markov_rank > 0; got kind={self.kind!r}, "
             f"markov_rank={self.markov_rank})",
         )

@@ -19,12 +19,16 @@ RoPE positions p_n + i, i = 0..K-1), `num_layers` pre-norm blocks:
 E and W_head are the target's, frozen (`FrozenTarget`, under stop_gradient); the drafter owns
 no [V, D] table.
 
-Why the confidence head reads only `hidden` (not the Markov features or sampled tokens): the
-scheduler picks each request's verify length from the confidences (prefix survival =
-product of sigmoid(c_k)). If that length depended on a sampled draft's value, the decision
-to verify d_j would be correlated with d_j itself, changing d_j's law among verified tokens
-and biasing the output away from the target's. So the confidence must be fixed before any
-draft is sampled: it is a function of the parallel forward only.
+Confidence heads (`DrafterConfig.confidence_input`; `draft_confidence` gives sigmoid(c_k)):
+    "hidden":     c_k = hidden_k w_c + b_c                       (`confidence_logits`)
+    "prev_token": c_k = hidden_k w_c + b_c + u(x_{k-1}) . w_p    (the DSpark paper, arXiv
+                  2607.05147: w . [hidden_k ; W1[x_{k-1}]], W1 = the Markov table u [V, r])
+with x_0 the anchor and x_{k-1} the sampled draft k-1 (the true token in training). For
+"prev_token", `DrafterOutput.confidence_logits` holds the hidden part hidden_k w_c + b_c only:
+the previous-token term needs drafts sampled after this pass. A "hidden" confidence is fixed
+before any draft is sampled, so any function of it may pick the verify length; a
+"prev_token" one depends on x_{k-1}, so the length must be a stopping rule (verifying draft j
+reads c_1..c_j only: the scheduler's admission="early_stop"), else the output is biased.
 """
 
 from __future__ import annotations
@@ -37,12 +41,16 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from v41jax.config import ModelConfig
+from v41jax.dspark.confidence import confidence_logits, draft_confidence, previous_tokens
 from v41jax.dspark.config import DrafterConfig
 from v41jax.dspark.markov import check_token_range
 from v41jax.kernels.attention import causal_attention
 from v41jax.model.layers import RMSNorm, SwiGLU, apply_rope, normal_init
 
 ContextKV = list[dict[str, jax.Array]]
+# the confidence of either head, for the engine and the objective (v41jax.dspark.confidence)
+__all__ = ["Drafter", "DrafterOutput", "FrozenTarget", "confidence_logits", "draft_confidence"]
+__all__ += ["frozen_target", "previous_tokens"]
 
 
 class FrozenTarget(NamedTuple):
@@ -72,7 +80,9 @@ def frozen_target(target_params: Any, target_cfg: ModelConfig) -> FrozenTarget:
 class DrafterOutput(NamedTuple):
     base_logits: jax.Array  # float32 [B, N, K, V], before the Markov term
     hidden: jax.Array  # [B, N, K, D] final-normed hidden state per draft position
-    confidence_logits: jax.Array  # float32 [B, N, K]; sigmoid = P(draft k accepted | prefix)
+    # float32 [B, N, K]: hidden_k w_c + b_c. For "hidden" its sigmoid is P(draft k accepted |
+    # prefix); for "prev_token" it lacks the previous-token term (`draft_confidence`).
+    confidence_logits: jax.Array
 
 
 def _shape_error(name: str, got: tuple, want: tuple) -> ValueError:
@@ -187,7 +197,8 @@ class Drafter(nn.Module):
     Params: `ctx_proj` [F, D], `ctx_norm/scale`, `mask_embedding` [D], `block_{l}/{attn_norm,
     attn/{q,k,v,o}, ffn_norm, ffn/{w_gate,w_up,w_down}}`, `final_norm/scale`,
     `confidence/{kernel [D, 1], bias [1]}`, and `markov/{u, w}` [V, r] when `cfg.uses_markov`
-    (plus `markov/{t, h, o}` when `cfg.markov_context`).
+    (plus `markov/{t, h, o}` when `cfg.markov_context`, and `confidence_prev` [r] (w_p, zero at
+    init: an untrained head is the "hidden" one) when `confidence_input == "prev_token"`).
     """
 
     cfg: DrafterConfig
@@ -217,6 +228,9 @@ class Drafter(nn.Module):
             kernel_init=normal_init(c.init_std, ("embed", None)),
             bias_init=nn.with_logical_partitioning(nn.initializers.zeros, (None,)),
         )
+        if c.confidence_input == "prev_token":
+            zeros = nn.with_logical_partitioning(nn.initializers.zeros, (None,))
+            self.confidence_prev = self.param("confidence_prev", zeros, (c.markov_rank,), pd)
         if c.uses_markov:
             self.markov = _MarkovTables(
                 t.vocab_size, c.markov_rank, c.init_std, pd, c.markov_context, t.d_model
@@ -352,6 +366,8 @@ class Drafter(nn.Module):
         """`draft(frozen, context_kv(feats, ctx_pos), ...)`: the training / init path."""
         if self.cfg.uses_markov:
             self.markov()  # create markov/{u, w} at init; they act outside this forward
+        if self.cfg.confidence_input == "prev_token":
+            _ = self.confidence_prev  # created at init; read by `confidence_logits`
         return self.draft(
             frozen,
             self.context_kv(feats_BxSxF, ctx_pos_BxS),

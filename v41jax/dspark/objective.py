@@ -16,6 +16,9 @@ previous token (teacher forcing):
 (Leviathan et al. 2023), so the confidence head learns the per-position acceptance probability and
 the soft cross-entropy pulls q towards the distribution the verifier compares it with.
 With `targets="tokens"`, p_k is the one-hot of the corpus token (plain next-token training).
+c_k is the confidence head's logit (`drafter.confidence_logits`): for
+`confidence_input="prev_token"` it reads the true previous token x_{a+k-1} (x_a the anchor),
+as the Markov term does; the target 1 - TV(q_k, p_k) is the same for both heads.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import numpy as np
 
 from v41jax.config import ModelConfig
 from v41jax.dspark.config import DrafterConfig, DrafterTrainConfig
-from v41jax.dspark.drafter import Drafter, FrozenTarget
+from v41jax.dspark.drafter import Drafter, FrozenTarget, confidence_logits, previous_tokens
 from v41jax.dspark.markov import teacher_forced_logits
 from v41jax.model.transformer import Transformer
 
@@ -121,7 +124,8 @@ def drafter_loss(
     else:
         ce = -jnp.sum(p * log_q, axis=-1)
     accept = jax.lax.stop_gradient(1.0 - tv)
-    conf = out.confidence_logits
+    # "prev_token": c_k reads the true previous token (teacher forcing, as the Markov term)
+    conf = confidence_logits(drafter_params, drafter, out, previous_tokens(anchors, next_tokens))
     # BCE with a soft label y: -(y log s(c) + (1 - y) log(1 - s(c))), in the stable log-sigmoid form
     bce = -(accept * jax.nn.log_sigmoid(conf) + (1.0 - accept) * jax.nn.log_sigmoid(-conf))
     w = valid * train.decay ** jnp.arange(k, dtype=jnp.float32)

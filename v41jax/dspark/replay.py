@@ -12,13 +12,18 @@ round, `CostTable` of B (1 + w) tokens) a per-round width w_r earns
     throughput   = sum_r tokens_r(w_r) / sum_r seconds_r(w_r)
 
 Policies compared on the same rounds: every fixed L; the scheduler on the logged confidences
-as the engine calls it (`rounds.scheduled_width`: `ENGINE_BASIS`, active rows; or another
-basis for comparison); and the oracle bound, the best ratio any per-round choice reaches,
-even one that sees A (not lossless), so an upper bound on every draft-side policy. It is
-solved exactly by Dinkelbach's method:
+as the engine calls it (`round_width`, the rule of `rounds.scheduled_width`: `ENGINE_BASIS`,
+active rows; or another basis for comparison); and the oracle bound, the best ratio any
+per-round choice reaches, even one that sees A (not lossless), so an upper bound on every
+draft-side policy. It is solved exactly by Dinkelbach's method:
 lambda* = max ratio is the root of F(lambda) = sum_r max_w [tokens_r(w) - lambda seconds_r(w)];
 iterating lambda <- ratio of the argmax choices increases lambda until F = 0 (finitely many
 choice sets, so it stops).
+
+Width 0 (a plain decode step: no drafter pass, one token per active row, tokens_r(0) =
+B_active at cost(B)) is a candidate of the scheduler and of the oracle when the cost table has
+an entry at B tokens (`v41jax.dspark.admission.first_width`), and "plain" reports its
+throughput; without one the widths are 1 .. K as before.
 
 The replay holds each round's draws fixed: a different width would have moved later rounds'
 positions, whose law is the same but whose batch tail is not. It measures per-round
@@ -32,9 +37,10 @@ from typing import Any
 
 import numpy as np
 
+from v41jax.dspark.admission import first_width
 from v41jax.dspark.analysis import _check_log
-from v41jax.dspark.rounds import ENGINE_BASIS, scheduled_width
-from v41jax.dspark.scheduler import CostTable
+from v41jax.dspark.rounds import ENGINE_BASIS
+from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
 
 
 def stack_rounds(logs) -> dict[str, np.ndarray]:
@@ -50,27 +56,39 @@ def stack_rounds(logs) -> dict[str, np.ndarray]:
     return {k: np.concatenate([np.asarray(lg[k]) for lg in logs], axis=0) for k in keys}
 
 
+def round_width(conf_BxK, cost: CostTable, active_B, basis: str = ENGINE_BASIS, **kw) -> int:
+    """The width the engine takes for a round with an active row (`rounds.scheduled_width`):
+    the largest scheduled length over the active rows. Finished rows are left out rather
+    than counted as 1, so that width 0 (every active row 0) survives."""
+    sched = schedule_verify_lengths(conf_BxK, cost, basis=basis, active_B=active_B, **kw)
+    return int(np.max(np.asarray(sched.verify_len)[np.asarray(active_B)]))
+
+
 def _round_tables(accepted, active, cost: CostTable, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """tokens [R', K] and seconds [R', K] of each round with an active row, for w = 1 .. K."""
+    """tokens [R', W] and seconds [R', W] of each round with an active row, for w = w0 .. K
+    (W = K + 1 - w0; w0 = 0 with a B-token entry in the table, else 1)."""
     rounds = active.any(axis=1)
     acc, act = accepted[rounds], active[rounds]
     b = act.shape[1]
-    w = np.arange(1, k + 1)
+    w0 = first_width(cost, b)
+    w = np.arange(w0, k + 1)
     lo, hi = min(cost.tokens), max(cost.tokens)
-    if b * 2 < lo or b * (1 + k) > hi:
+    if b * (1 + w0) < lo or b * (1 + k) > hi:
         raise ValueError(
             f"cost table covers {lo}..{hi} tokens, but a padded batch of B={b} verifies "
-            f"{b * 2}..{b * (1 + k)}: measure it at this batch size (or stack_rounds, not "
-            "merge_logs)"
+            f"{b * (1 + w0)}..{b * (1 + k)}: measure it at this batch size (or stack_rounds, "
+            "not merge_logs)"
         )
     tokens = (act[:, :, None] * (1 + np.minimum(acc[:, :, None], w))).sum(axis=1)
     seconds = np.broadcast_to(np.atleast_1d(cost(b * (1 + w))), tokens.shape)
     return tokens.astype(np.float64), np.asarray(seconds, np.float64)
 
 
-def oracle_widths(tokens_RxK: np.ndarray, seconds_RxK: np.ndarray) -> tuple[np.ndarray, float]:
-    """The per-round widths (1-based, [R]) that maximise sum tokens / sum seconds, and that
-    ratio (Dinkelbach; ties to the smaller width)."""
+def oracle_widths(
+    tokens_RxK: np.ndarray, seconds_RxK: np.ndarray, first: int = 1
+) -> tuple[np.ndarray, float]:
+    """The per-round widths ([R]; column i is width first + i) that maximise sum tokens / sum
+    seconds, and that ratio (Dinkelbach; ties to the smaller width)."""
     t, s = np.asarray(tokens_RxK, np.float64), np.asarray(seconds_RxK, np.float64)
     if t.ndim != 2 or t.shape != s.shape or t.shape[0] == 0:
         raise ValueError(f"tokens {t.shape} and seconds {s.shape} must both be [R >= 1, K]")
@@ -85,7 +103,7 @@ def oracle_widths(tokens_RxK: np.ndarray, seconds_RxK: np.ndarray) -> tuple[np.n
         if new <= lam * (1 + 1e-12):
             break
         pick, lam = nxt, new
-    return pick + 1, float(lam)
+    return pick + first, float(lam)
 
 
 def replay_policies(
@@ -96,7 +114,7 @@ def replay_policies(
     docstring); several batches of the same size: `stack_rounds`. `kw` go to
     `schedule_verify_lengths` (e.g. min_gain). Returns {"fixed": [K], "oracle": float,
     "oracle_widths": mean width, "scheduled": {basis: float}, "scheduled_widths": {basis:
-    mean width}, "rounds": R'}."""
+    mean width}, "plain": width 0's throughput or None (no B-token entry), "rounds": R'}."""
     conf, length, acc, act, k = _check_log(confidence, verify_len, accepted, active)
     if not isinstance(cost, CostTable):
         raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
@@ -109,25 +127,27 @@ def replay_policies(
         raise ValueError(f"bases={bases!r}: a padded engine's widths need 'padded' or 'width'")
     tokens, seconds = _round_tables(acc, act, cost, k)
     rows = np.arange(tokens.shape[0])
+    w0 = first_width(cost, act.shape[1])
 
     def ratio(widths: np.ndarray) -> float:
-        return float(tokens[rows, widths - 1].sum() / seconds[rows, widths - 1].sum())
+        return float(tokens[rows, widths - w0].sum() / seconds[rows, widths - w0].sum())
 
     live = act.any(axis=1)
     out: dict[str, Any] = {
         "fixed": [ratio(np.full(len(rows), w)) for w in range(1, k + 1)],
+        "plain": ratio(np.zeros(len(rows), int)) if w0 == 0 else None,
         "scheduled": {},
         "scheduled_widths": {},
     }
     for basis in bases:  # the round's width as the engine takes it
         widths = np.array(
             [
-                int(scheduled_width(c, cost, a, basis=basis, **kw))
+                round_width(c, cost, a, basis=basis, **kw)
                 for c, a in zip(conf[live], act[live], strict=True)
             ]
         )
         out["scheduled"][basis] = ratio(widths)
         out["scheduled_widths"][basis] = float(widths.mean())
-    oracle, best = oracle_widths(tokens, seconds)
+    oracle, best = oracle_widths(tokens, seconds, w0)
     out.update(oracle=best, oracle_widths=float(oracle.mean()), rounds=int(len(rows)))
     return out

@@ -45,9 +45,22 @@ the budget rule applied to the slots a padded engine actually verifies: "padded"
 the n largest survivals, under-counting wide rounds (on the DSpark experiment's logged rounds
 its choices earned 0.997x the best fixed length, "width" 1.000x; `v41jax.dspark.replay`).
 
-The verify length is a function of the confidences only (draft-side information computed
-before the drafts are sampled), which keeps speculative sampling exact; see
-v41jax/speculative/pipeline_audit.py.
+Width 0 (basis "width" only): when the cost table has an entry at exactly B tokens (a round
+that verifies nothing: one plain decode step, no drafter pass), w = 0 is a candidate too, with
+tau(0) = B_active and throughput(0) = B_active / cost(B); it wins when it beats every w >= 1
+(first on ties, so a tie goes to 0). verify_len is then 0 for every row. Without a B-token
+entry the widths are w = 1 .. K as before.
+
+Admission (basis "width", `v41jax.dspark.admission`): "global" (default) is the argmax above;
+"early_stop" is a stopping rule, extend w -> w + 1 while throughput(w + 1) > throughput(w),
+with no min_gain fallback (it would read c_K). The bases "total" and "padded" have only
+"global".
+
+With admission "global", the verify length is a function of all the confidences, which keeps
+speculative sampling exact only if they are fixed before the drafts are sampled (the drafter's
+"hidden" confidence head); with "early_stop", the decision to verify draft j reads c_1 .. c_j
+only, which is exact also for confidences that read the previous sampled draft ("prev_token").
+See v41jax/speculative/pipeline_audit.py and tests/dspark/test_dspark_confidence_admission.py.
 """
 
 from __future__ import annotations
@@ -63,6 +76,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from v41jax.dspark.admission import ADMISSIONS, first_width, width_choice, width_reference
 
 BASES = ("total", "padded", "width")
 
@@ -149,8 +164,9 @@ class CostTable:
 
 
 class Schedule(NamedTuple):
-    """verify_len int32 [B] in [1, K]; budget int32 scalar (n = sum verify_len); expected
-    tokens tau(n), throughput(n) and throughput(B K) (tokens per second), float32 scalars."""
+    """verify_len int32 [B] in [1, K] (0 = width 0, basis "width" only); budget int32 scalar
+    (n = sum verify_len); expected tokens tau(n), throughput(n) and throughput(B K) (tokens per
+    second), float32 scalars."""
 
     verify_len: jax.Array
     budget: jax.Array
@@ -159,10 +175,17 @@ class Schedule(NamedTuple):
     full_throughput: jax.Array
 
 
-def _check_args(confidence, cost, basis, min_gain) -> tuple[int, int]:
+def _check_args(confidence, cost, basis, min_gain, admission="global") -> tuple[int, int]:
     """Raise ValueError naming the bad value; values of `confidence` only when concrete."""
     if basis not in BASES:
         raise ValueError(f"basis={basis!r} is not one of {BASES}")
+    if admission not in ADMISSIONS:
+        raise ValueError(f"admission={admission!r} is not one of {ADMISSIONS}")
+    if admission == "early_stop" and basis != "width":
+        raise ValueError(
+            f"admission='early_stop' is implemented for basis 'width' only, not {basis!r} "
+            "(the budget bases rank slots across positions: not a stopping rule as written)"
+        )
     if not isinstance(cost, CostTable):
         raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
     if isinstance(min_gain, bool) or not isinstance(min_gain, int | float) or not min_gain >= 0:
@@ -180,9 +203,12 @@ def _check_args(confidence, cost, basis, min_gain) -> tuple[int, int]:
 
 def _slot_costs(cost: CostTable, b: int, k: int, basis: str) -> np.ndarray:
     """Static cost per candidate: basis total -> [M + 1] for n = B + m (m = 0..M, M = B(K-1));
-    padded, width -> [K] for max L = 1..K. Raises if a cost is <= 0 (throughput undefined)."""
+    padded -> [K] for max L = 1..K; width -> [K + 1 - w0] for w = w0..K (`first_width`).
+    Raises if a cost is <= 0 (throughput undefined)."""
     if basis == "total":
         tokens = b + b + np.arange(b * (k - 1) + 1)  # B pending tokens + n = B + m drafts
+    elif basis == "width":
+        tokens = b * (1 + np.arange(first_width(cost, b), k + 1))
     else:
         tokens = b * (1 + np.arange(1, k + 1))
     secs = np.atleast_1d(cost(tokens))
@@ -200,8 +226,14 @@ def schedule_verify_lengths(
     min_gain: float = 0.01,
     active_B: jax.Array | None = None,
     useful_B: jax.Array | None = None,
+    admission: str = "global",
 ) -> Schedule:
     """Verify lengths L [B] from confidences c [B, K] in [0, 1] (see the module docstring).
+
+    `admission` (basis "width" only for "early_stop"): "global", the argmax of throughput
+    over every width with the min_gain fallback; "early_stop", the stopping rule of
+    `v41jax.dspark.admission` (min_gain unread), lossless also when c_k reads the previous
+    sampled draft. A cost table with an entry at B tokens lets basis "width" pick width 0.
 
     `active_B` (bool [B], default all): rows still generating. A finished row emits nothing,
     so it counts neither in "the number of requests" nor with its survivals (late in a batch,
@@ -218,12 +250,13 @@ def schedule_verify_lengths(
     confidences traced (jit/vmap it with cost, basis, min_gain closed over); values are
     checked only when concrete.
     """
-    b, _ = _check_args(confidence_BxK, cost, basis, min_gain)
+    b, _ = _check_args(confidence_BxK, cost, basis, min_gain, admission)
     active_B = _check_active(active_B, b)
     useful_B = _check_useful(useful_B, b, np.shape(confidence_BxK)[1])
     conf = jnp.asarray(confidence_BxK, jnp.float32)
     active = jnp.asarray(active_B, bool)
-    return _schedule(conf, active, jnp.asarray(useful_B, jnp.int32), cost, basis, float(min_gain))
+    useful = jnp.asarray(useful_B, jnp.int32)
+    return _schedule(conf, active, useful, cost, basis, float(min_gain), admission)
 
 
 def _check_useful(useful_B, b: int, k: int):
@@ -248,9 +281,9 @@ def _check_active(active_B, b: int):
     return active_B
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _schedule(
-    conf_BxK, active_B, useful_B, cost: CostTable, basis: str, min_gain: float
+    conf_BxK, active_B, useful_B, cost: CostTable, basis: str, min_gain: float, admission: str
 ) -> Schedule:
     b, k = conf_BxK.shape
     conf_BxK = jnp.where(active_B[:, None], conf_BxK, 0.0)
@@ -261,12 +294,9 @@ def _schedule(
     forced = jnp.sum(surv_BxK[:, 0])
     secs = jnp.asarray(_slot_costs(cost, b, k, basis), jnp.float32)
     if basis == "width":  # one width for the batch: every row's prefix of w drafts counts
-        tau_w = n_req + jnp.cumsum(jnp.sum(surv_BxK, axis=0))
-        thr_w = tau_w / secs
-        best = jnp.argmax(thr_w)  # the first width on ties
-        best = jnp.where(thr_w[best] > (1.0 + min_gain) * thr_w[k - 1], best, k - 1)
-        w = (best + 1).astype(jnp.int32)
-        return Schedule(jnp.full((b,), w), b * w, tau_w[best], thr_w[best], thr_w[k - 1])
+        w0 = first_width(cost, b)
+        w, tau, thr, full = width_choice(surv_BxK, n_req, secs, w0, admission, min_gain)
+        return Schedule(jnp.full((b,), w), b * w, tau, thr, full)
     if m_free == 0:  # K = 1: every request verifies its single draft
         tau = n_req + forced
         thr = tau / secs[0]
@@ -301,29 +331,28 @@ def schedule_reference(
     min_gain: float = 0.01,
     active=None,
     useful=None,
+    admission: str = "global",
 ) -> Schedule:
-    """Brute force in float64 numpy over every budget n = B .. B K (basis "width": n = B w)
-    (for tests); returns a Schedule of numpy values."""
-    b, k = _check_args(confidence, cost, basis, min_gain)
+    """Brute force in float64 numpy over every budget n = B .. B K (basis "width": every
+    width w, `admission.width_reference`) (for tests); returns a Schedule of numpy values."""
+    b, k = _check_args(confidence, cost, basis, min_gain, admission)
     act = np.asarray(_check_active(active, b), bool)
     use = np.asarray(_check_useful(useful, b, k))
     surv = np.cumprod(np.asarray(confidence, np.float64), axis=1) * act[:, None]
     surv *= np.arange(1, k + 1)[None, :] <= use[:, None]
+    if basis == "width":
+        w, tau, thr, full = width_reference(surv, int(act.sum()), cost, b, admission, min_gain)
+        lengths = np.full(b, w, np.int32)
+        return Schedule(lengths, np.int32(b * w), *(np.float32(x) for x in (tau, thr, full)))
     free = sorted((-surv[r, j], j, r) for r in range(b) for j in range(1, k))
     best = None  # (throughput, n, lengths, tau)
     results = []
     for n in range(b, b * k + 1):
-        if basis == "width":
-            if n % b:
-                continue  # one width w for every row: budgets n = B w only
-            lengths = np.full(b, n // b, np.int64)
-            tau = act.sum() + surv[:, : n // b].sum()
-        else:
-            lengths = np.ones(b, np.int64)
-            tau = act.sum() + surv[:, 0].sum()
-            for neg_s, _, r in free[: n - b]:
-                lengths[r] += 1
-                tau -= neg_s
+        lengths = np.ones(b, np.int64)
+        tau = act.sum() + surv[:, 0].sum()
+        for neg_s, _, r in free[: n - b]:
+            lengths[r] += 1
+            tau -= neg_s
         tokens = b + n if basis == "total" else b * (1 + lengths.max())
         secs = cost(tokens)
         if secs <= 0:

@@ -27,11 +27,29 @@ L, d_j is no longer distributed as q_j, and (1) fails
 (tests/speculative/test_speculative_pipeline_audit.py checks that the audit catches it). In
 general so does a length computed from the sampled drafts.
 
+Stopping rules (`strata="stopping"`). A length may also be a stopping rule: the decision to
+verify draft j (1-based) reads only draft-side information fixed before d_j is sampled, e.g.
+confidences c_1 .. c_j that read the earlier drafts (the DSpark paper's confidence head, arXiv
+2607.05147, with the scheduler's admission="early_stop"). Once d_1 .. d_{j-1} are accepted they
+are the emitted history, and d_j is drawn from q_j with fresh randomness whatever is decided,
+so the emitted stream is the target's. But L itself is then not fixed before the drafts:
+L = j means "stop after d_j", decided from c_{j+1}, a function of d_j, so (1) given L fails
+at position j although the pipeline is lossless. What such a pipeline keeps is
+
+    P(token_j = v | position j emitted, h, S_j) = p_j(v),     S_j = [L > j]              (1')
+
+(0-based position j: S_j = 1 if token j comes from verifying a draft, 0 if it is the last one)
+
+since S_j is decided from the history (and independent other rows). `strata="stopping"`
+stratifies by (S_j, previous token) instead of (L, previous token); a length that reads later
+drafts (a global argmax over such confidences) still fails it.
+
 Checks, per case (fixed tables p, `chunk`-row batches, independent keys):
   validity    A in [0, L], out[:, :A] = drafts, out[:, A] in [0, V), out[:, A+1:] = -1;
   verify_len  L in [0, K] (any violation fails);
   law j       G-test of the emitted tokens at position j against (1), pooled;
-  law j|L,h   the same, stratified by (L, previous emitted token).
+  law j|L,h   the same, stratified by (L, previous emitted token) (strata "length"), or
+  law j|S,h   by (S_j = [L > j], previous emitted token) (strata "stopping", (1')).
 The decision is Bonferroni over all m checks, as in `audit_verifier`: a check passes if
 min(1, m p) >= alpha.
 """
@@ -47,7 +65,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41jax.speculative.audit import AuditReport, _check, _position_laws, _validity, make_report
+from v41jax.speculative.audit import (
+    MIN_EXPECTED,
+    AuditReport,
+    _check,
+    _position_laws,
+    _validity,
+    make_report,
+)
 
 Pipeline = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
 
@@ -107,6 +132,45 @@ def _length_range(case: PipelineCase, k: int, ell) -> dict:
     return _check("verify_len", case.name, counts, np.zeros(2), note=note, bad=bad)
 
 
+def _stopping_laws(case: PipelineCase, ell, out, acc) -> list[dict]:
+    """(1') at each position j: stratified by (S_j = [L > j], previous emitted token). The
+    pooled law j is `_position_laws`'s (the same test); strata too small for the G-test
+    approximation are merged (valid: (1') holds in each stratum, hence in their union)."""
+    (k1, v), checks = case.p.shape, []
+    a = np.clip(acc, 0, k1 - 1)
+    pooled = [c for c in _position_laws(case, ell, out, acc) if "|" not in c["name"]]
+    for j in range(k1):
+        checks.append(pooled[j])
+        rows = a >= j
+        tok = out[rows, j]
+        cell = np.where((tok >= 0) & (tok < v), tok, v)
+        law = np.append(case.p[j].astype(np.float64), 0.0)
+        prev = out[rows, j - 1] if j > 0 else np.full(rows.sum(), -1)
+        prev = np.where((prev >= -1) & (prev < v), prev, v) + 1
+        stratum = (ell[rows] > j).astype(np.int64) * (v + 2) + prev
+        table = np.bincount(stratum * (v + 1) + cell, minlength=2 * (v + 2) * (v + 1))
+        table = table.reshape(-1, v + 1).astype(np.float64)
+        keep = np.flatnonzero(table.sum(1) > 0)
+        if keep.size <= 1:
+            continue
+        labels = [f"S={s // (v + 2)},h={s % (v + 2) - 1}" for s in keep]
+        table = table[keep]
+        small = table.sum(1) * law[law > 0].min() < MIN_EXPECTED
+        note = f"{(~small).sum()} strata"
+        if small.any():
+            merged = table[small].sum(0)
+            table, labels = table[~small], [labels[i] for i in np.flatnonzero(~small)]
+            if merged.sum() * law[law > 0].min() >= MIN_EXPECTED:
+                table, labels = np.vstack([table, merged]), labels + ["merged"]
+                note += f" + {small.sum()} merged"
+            else:
+                note += f", {int(merged.sum())} rows in {small.sum()} small strata skipped"
+        if len(table):  # every stratum small and skipped: nothing left to test
+            exp = table.sum(1, keepdims=True) * law
+            checks.append(_check(f"law {j}|S,h", case.name, table, exp, labels, note))
+    return checks
+
+
 def audit_pipeline(
     pipeline: Pipeline,
     *,
@@ -118,9 +182,15 @@ def audit_pipeline(
     chunk: int = 50_000,
     jit: bool = True,
     name: str = "",
+    strata: str = "length",
 ) -> AuditReport:
     """Audit `pipeline(key, target_probs [N, K+1, V]) -> (drafts, out, accepted, verify_len)`
-    on every case of `make_pipeline_cases`, num_samples rows each (module docstring)."""
+    on every case of `make_pipeline_cases`, num_samples rows each (module docstring).
+
+    strata: "length" tests (1) given (L, previous token), for lengths fixed before the drafts
+    are sampled; "stopping" tests (1') given ([L > j], previous token), for stopping rules."""
+    if strata not in ("length", "stopping"):
+        raise ValueError(f"strata={strata!r} is not one of ('length', 'stopping')")
     if vocab_size < 3 or k < 1:
         raise ValueError(f"the audit needs vocab_size >= 3 and k >= 1, got {vocab_size}, {k}")
     if num_samples < 1 or chunk < 1:
@@ -138,6 +208,7 @@ def audit_pipeline(
         raw.append(_validity(case, d, ell, out, acc))
         raw.append(_length_range(case, k, ell))
         # an L outside [0, K] already fails; clipped, the strata of (1) stay well defined
-        raw += _position_laws(case, np.clip(ell, 0, k), out, acc)
+        laws = _position_laws if strata == "length" else _stopping_laws
+        raw += laws(case, np.clip(ell, 0, k), out, acc)
     meta = dict(vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed)
     return make_report(raw, alpha, pipeline, name, start, **meta)
