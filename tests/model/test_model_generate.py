@@ -82,7 +82,7 @@ def test_greedy_generate_equals_naive_loop():
     got = generate(params(), CFG, PROMPTS, LENGTHS, max_new_tokens=6)
     assert got.shape == (3, 6) and got.dtype == jnp.int32
     np.testing.assert_array_equal(got, naive_greedy(PROMPTS, LENGTHS, 6))
-    # top_k = 1 at any temperature is greedy too, and shares the compiled program
+    # top_k = 1 at any temperature is greedy too
     top1 = generate(
         params(),
         CFG,
@@ -179,3 +179,19 @@ def test_segment_ids_with_cache_raise():
             segment_ids_BxT=jnp.ones((3, 6)),
             cache=init_cache(CFG, 3),
         )
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [(0.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.0), (0.8, 5, 1.0, 0.0), (1.2, 0, 0.7, 0.05),
+     (np.array([0.0, 1.0, 0.5]), np.array([0, 2, 0]), 0.9, 0.0)],
+)  # fmt: skip
+def test_generate_plans_give_the_tokens_of_traced_knobs(knobs):
+    """Python knobs let `generate` trace only the sampling stages they use (greedy: argmax
+    alone; no filter: no sort); traced knobs trace all of them. Same key, same tokens."""
+    t, k, p, m = knobs
+    run = lambda t, k, p, m: generate(
+        params(), CFG, PROMPTS, LENGTHS, max_new_tokens=6, temperature=t, top_k=k, top_p=p,
+        min_p=m, rng=jax.random.key(9), eos_id=3,
+    )  # fmt: skip
+    np.testing.assert_array_equal(run(t, k, p, m), jax.jit(run)(t, k, p, m))

@@ -117,3 +117,78 @@ def test_sample_probs_law_zeros_and_shapes():
     assert stats.power_divergence(counts[pos], wrong * n, lambda_="log-likelihood").pvalue < 1e-6
     one_hot = jnp.zeros((2, 3, 5)).at[..., 4].set(1.0)  # the last token, leading shape [2, 3]
     np.testing.assert_array_equal(sample_probs(jax.random.key(0), one_hot), np.full((2, 3), 4))
+
+
+def reference_probs(logits, temperature, top_k, top_p, min_p):
+    """The law as one plain computation with every stage traced in and no branch: what
+    `sampling_probs` must equal bit for bit whichever stages its plan skips."""
+    logits = logits.astype(jnp.float32)
+    v = logits.shape[-1]
+    row = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), logits.shape[:-1])[..., None]
+    t, k = row(temperature, jnp.float32), row(top_k, jnp.int32)
+    p, m = row(top_p, jnp.float32), row(min_p, jnp.float32)
+    z = logits / jnp.where(t <= 0, 1.0, t)
+    order = jnp.argsort(-z, axis=-1, stable=True)
+    keep_sorted = (k <= 0) | (jnp.arange(v) < k)
+    z_sorted = jnp.take_along_axis(z, order, axis=-1)
+    p_sorted = jax.nn.softmax(jnp.where(keep_sorted, z_sorted, -jnp.inf), axis=-1)
+    keep_sorted &= (jnp.cumsum(p_sorted, axis=-1) - p_sorted < p) | (p >= 1.0)
+    keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+    keep &= (m <= 0) | (z >= jnp.max(z, -1, keepdims=True) + jnp.log(jnp.maximum(m, 1e-30)))
+    probs = jax.nn.softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    return jnp.where(t <= 0, one_hot, probs)
+
+
+KNOBS = [  # (temperature, top_k, top_p, min_p): every stage off and on, alone and together
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.7, 5, 1.0, 0.0),
+    (0.7, 0, 0.8, 0.0),
+    (1.3, 0, 1.0, 0.1),
+    (1.3, 10, 0.9, 0.05),
+    (0.0, 3, 0.5, 0.2),
+    (np.array([0.0, 1.0, 0.5, 2.0] * 4), 0, 1.0, 0.0),  # per row, some rows greedy
+    (1.0, np.array([0, 1, 3, 100] * 4), np.array([1.0, 0.5] * 8), 0.0),
+]
+
+
+@pytest.mark.parametrize("v", [1, 7, 4097])
+@pytest.mark.parametrize("knobs", KNOBS, ids=range(len(KNOBS)))
+def test_plans_give_the_reference_law_and_tokens(v, knobs):
+    """Python knobs (a plan that skips the stages they turn off), traced knobs (every stage,
+    the sort behind a runtime branch) and the plain reference: the same probabilities bit for
+    bit, and the same token for the same key at every odd vocabulary size."""
+    from v41jax.model.sampling import GENERAL_PLAN, sample_probs, sampling_plan
+
+    logits = jax.random.normal(jax.random.key(v), (16, v)) * 4
+    logits = logits.at[:, v // 2].set(logits[:, 0])  # a tie, ordered by token id
+    want = np.asarray(jax.jit(reference_probs)(logits, *knobs))
+    static = jax.jit(lambda x: sampling_probs(x, *knobs))(logits)
+    traced = jax.jit(sampling_probs)(logits, *knobs)
+    general = jax.jit(lambda x, *a: sampling_probs(x, *a, plan=GENERAL_PLAN))(logits, *knobs)
+    for got in (static, traced, general):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert sampling_plan(*map(jnp.asarray, knobs)) == sampling_plan(*knobs)
+    for seed in range(2):
+        key = jax.random.key(seed)
+        tok = np.asarray(jax.jit(sample_probs)(key, want))
+        np.testing.assert_array_equal(
+            jax.jit(lambda x, k: sample_logits(k, x, *knobs))(logits, key), tok
+        )
+        np.testing.assert_array_equal(jax.jit(sample_logits)(key, logits, *knobs), tok)
+
+
+def test_sampling_plan_from_values():
+    from v41jax.model.sampling import GENERAL_PLAN, SamplingPlan, sampling_plan
+
+    assert sampling_plan(0.0, 5, 0.5, 0.1) == SamplingPlan(True, False, False, False)
+    assert sampling_plan(1.0) == SamplingPlan(False, False, False, False)
+    assert sampling_plan(np.array([0.0, 1.0]), 2, 1.0, 0.0) == SamplingPlan(
+        None, True, False, False
+    )
+    assert sampling_plan(1.0, 0, np.array([1.0, 0.9]), 0.0) == SamplingPlan(
+        False, False, True, False
+    )
+    traced = jax.jit(lambda t, k, p, m: jnp.asarray(sampling_plan(t, k, p, m) == GENERAL_PLAN))
+    assert traced(1.0, 0, 1.0, 0.0)

@@ -9,6 +9,7 @@ compile    train-step compile time and program size vs depth (scanned vs unrolle
 table_file  memory-mapped Engram table gathers: rows/s and page-cache hits vs table size
 tables     train-step time vs Engram table size per table optimizer
 host_decode  decode tokens/s with Engram tables on device, in host memory, in a file
+decode     plain `generate` ms/token vs a bare forward loop through the KV cache
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "table_file": "v41jax.bench.table_file_bench",
     "tables": "v41jax.bench.table_bench",
     "host_decode": "v41jax.bench.host_decode_bench",
+    "decode": "v41jax.bench.decode_bench",
 }
 
 

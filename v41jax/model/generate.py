@@ -21,7 +21,7 @@ from v41jax.config import ModelConfig
 from v41jax.engram import ngram_hash_ids_jax, ngram_hash_ids_step, roll_window
 from v41jax.model.attention import KVCache
 from v41jax.model.layout import layer_segments
-from v41jax.model.sampling import Scalar, check_sampling_args, sample_logits
+from v41jax.model.sampling import Scalar, check_sampling_args, sample_logits, sampling_plan
 from v41jax.model.transformer import Transformer, engram_ids_key
 
 
@@ -197,6 +197,10 @@ def generate(
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
     rng = jax.random.key(0) if rng is None else rng
+    # Decided here, from the knobs' values while they are still concrete: which sampling
+    # stages can matter (greedy: argmax alone; no top-k / top-p: no sort), so the decode loop
+    # traces only those. One compilation per plan; traced knobs get the general one.
+    plan = sampling_plan(temperature, top_k, top_p, min_p)
     return _generate(
         params,
         cfg,
@@ -210,10 +214,11 @@ def generate(
         compression,
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,
+        plan=plan,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_id"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "eos_id", "plan"))
 def _generate(
     params,
     cfg,
@@ -228,9 +233,10 @@ def _generate(
     *,
     max_new_tokens,
     eos_id,
+    plan,
 ):
     def sample(key, logits_BxV, done_B):
-        tok_B = sample_logits(key, logits_BxV, temperature, top_k, top_p, min_p)
+        tok_B = sample_logits(key, logits_BxV, temperature, top_k, top_p, min_p, plan=plan)
         if eos_id is None:
             return tok_B, done_B
         tok_B = jnp.where(done_B, eos_id, tok_B)

@@ -10,9 +10,14 @@ Temperature 0 is greedy: a one-hot distribution on the argmax (first index on ti
 
 Every knob may be a Python number or a traced array (scalar or per-row [B]), so one jitted
 sampler serves all settings; Python numbers are checked and bad values raise ValueError.
+Concrete knobs also fix a `SamplingPlan` at trace time: the stages they turn off (greedy
+rows' draw, the sort of top-k / top-p, min-p's mask) are not traced at all, with the same
+result bit for bit; traced knobs keep every stage (the sort behind a runtime `lax.cond`).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,12 +55,52 @@ def _per_row(value: Scalar, batch_shape: tuple[int, ...], dtype) -> jax.Array:
     return jnp.broadcast_to(jnp.asarray(value, dtype), batch_shape)[..., None]
 
 
+class SamplingPlan(NamedTuple):
+    """Which stages of `sampling_probs` can change its result, fixed at trace time.
+
+    Hashable, so a jit takes it as a static argument. greedy: True when every row is greedy
+    (temperature <= 0), False when none is, None when unknown (traced) or mixed. top_k /
+    top_p / min_p: False only when that filter is known to keep every token (top_k <= 0,
+    top_p >= 1, min_p <= 0 in every row). A stage marked off is skipped, not computed and
+    masked, and skipping it gives the same bits: each skipped stage is the identity there.
+    """
+
+    greedy: bool | None = None
+    top_k: bool = True
+    top_p: bool = True
+    min_p: bool = True
+
+
+GENERAL_PLAN = SamplingPlan()  # nothing known: every stage traced in
+
+
+def sampling_plan(
+    temperature: Scalar, top_k: Scalar = 0, top_p: Scalar = 1.0, min_p: Scalar = 0.0
+) -> SamplingPlan:
+    """The `SamplingPlan` of these knobs: decided from concrete (Python or numpy/jax array)
+    values, scalar or per-row; a traced knob leaves its stage on (greedy None)."""
+    t, k, p, m = _concrete(temperature), _concrete(top_k), _concrete(top_p), _concrete(min_p)
+    greedy = None
+    if t is not None and np.all(t <= 0):
+        return SamplingPlan(greedy=True, top_k=False, top_p=False, min_p=False)
+    if t is not None and np.all(t > 0):
+        greedy = False
+    return SamplingPlan(
+        greedy=greedy,
+        top_k=k is None or bool(np.any(k > 0)),
+        top_p=p is None or bool(np.any(p < 1.0)),
+        min_p=m is None or bool(np.any(m > 0)),
+    )
+
+
 def sampling_probs(
     logits_BxV: jax.Array,
     temperature: Scalar = 1.0,
     top_k: Scalar = 0,
     top_p: Scalar = 1.0,
     min_p: Scalar = 0.0,
+    *,
+    plan: SamplingPlan | None = None,
 ) -> jax.Array:
     """The sampling distribution, float32 [B, V] (rows sum to 1).
 
@@ -65,37 +110,57 @@ def sampling_probs(
     softmax(z)_v >= min_p max softmax(z), i.e. z_v >= z_max + log(min_p) (all if min_p = 0);
     `probs = softmax(z over kept)`. Works on any leading shape [..., V].
     Ties are ordered by token id, so exactly top_k tokens survive top-k.
+    plan: the stages to trace (default `sampling_plan` of the knobs, so Python-number knobs
+    skip the stages they turn off); a plan must be true of the knobs' values.
     """
     check_sampling_args(temperature, top_k, top_p, min_p)
+    plan = sampling_plan(temperature, top_k, top_p, min_p) if plan is None else plan
     logits = logits_BxV.astype(jnp.float32)
     batch_shape, v = logits.shape[:-1], logits.shape[-1]
+    if plan.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
     t = _per_row(temperature, batch_shape, jnp.float32)
+    greedy = t <= 0
+    z = logits / (t if plan.greedy is False else jnp.where(greedy, 1.0, t))
+    keep = None
+    if plan.top_k or plan.top_p:
+        keep = _top_k_top_p_keep(z, top_k, top_p, plan)
+    if plan.min_p:
+        # min-p in log space: the most likely token always survives, so order does not matter.
+        m = _per_row(min_p, batch_shape, jnp.float32)
+        z_max = jnp.max(z, axis=-1, keepdims=True)
+        keep_m = (m <= 0) | (z >= z_max + jnp.log(jnp.maximum(m, 1e-30)))
+        keep = keep_m if keep is None else keep & keep_m
+    probs = jax.nn.softmax(z if keep is None else jnp.where(keep, z, -jnp.inf), axis=-1)
+    if plan.greedy is False:
+        return probs
+    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
+    return jnp.where(greedy, one_hot, probs)
+
+
+def _top_k_top_p_keep(z, top_k: Scalar, top_p: Scalar, plan: SamplingPlan) -> jax.Array:
+    """bool [..., V]: the tokens top-k then top-p keep of z [..., V] (the stages `plan` has)."""
+    batch_shape, v = z.shape[:-1], z.shape[-1]
     k = _per_row(top_k, batch_shape, jnp.int32)
     p = _per_row(top_p, batch_shape, jnp.float32)
-    m = _per_row(min_p, batch_shape, jnp.float32)
-    greedy = t <= 0
-    z = logits / jnp.where(greedy, 1.0, t)
 
-    def top_k_top_p_keep(z):
+    def keep_fn(z):
         order_BxV = jnp.argsort(-z, axis=-1, stable=True)
-        z_sorted = jnp.take_along_axis(z, order_BxV, axis=-1)
         rank = jnp.arange(v, dtype=jnp.int32)
-        keep_sorted = (k <= 0) | (rank < k)
-        p_sorted = jax.nn.softmax(jnp.where(keep_sorted, z_sorted, -jnp.inf), axis=-1)
-        mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
-        keep_sorted &= (mass_before < p) | (p >= 1.0)
+        keep_sorted = (k <= 0) | (rank < k) if plan.top_k else jnp.ones(z.shape, bool)
+        if plan.top_p:
+            z_sorted = jnp.take_along_axis(z, order_BxV, axis=-1)
+            p_sorted = jax.nn.softmax(jnp.where(keep_sorted, z_sorted, -jnp.inf), axis=-1)
+            mass_before = jnp.cumsum(p_sorted, axis=-1) - p_sorted
+            keep_sorted &= (mass_before < p) | (p >= 1.0)
         return jnp.take_along_axis(keep_sorted, jnp.argsort(order_BxV, axis=-1), axis=-1)
 
     # The sort is most of the cost on CPU: skip it when no row filters (a real branch
     # unless vmapped, where both sides run and the result is the same).
-    needs_sort = jnp.any(k > 0) | jnp.any(p < 1.0)
-    keep = jax.lax.cond(needs_sort, top_k_top_p_keep, lambda z: jnp.ones(z.shape, bool), z)
-    # min-p in log space: the most likely token always survives, so order does not matter.
-    z_max = jnp.max(z, axis=-1, keepdims=True)
-    keep &= (m <= 0) | (z >= z_max + jnp.log(jnp.maximum(m, 1e-30)))
-    probs = jax.nn.softmax(jnp.where(keep, z, -jnp.inf), axis=-1)
-    one_hot = jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
-    return jnp.where(greedy, one_hot, probs)
+    needs_sort = (jnp.any(k > 0) if plan.top_k else False) | (
+        jnp.any(p < 1.0) if plan.top_p else False
+    )
+    return jax.lax.cond(needs_sort, keep_fn, lambda z: jnp.ones(z.shape, bool), z)
 
 
 def sample_logits(
@@ -105,9 +170,19 @@ def sample_logits(
     top_k: Scalar = 0,
     top_p: Scalar = 1.0,
     min_p: Scalar = 0.0,
+    *,
+    plan: SamplingPlan | None = None,
 ) -> jax.Array:
-    """One token per row, int32 [B], drawn from `sampling_probs(logits, ...)`."""
-    probs_BxV = sampling_probs(logits_BxV, temperature, top_k, top_p, min_p)
+    """One token per row, int32 [B], drawn from `sampling_probs(logits, ..., plan=plan)`.
+
+    When every row is greedy (`plan.greedy`), the argmax itself: the inverse-CDF draw of a
+    one-hot row always lands on its token, so skipping the draw changes no token.
+    """
+    check_sampling_args(temperature, top_k, top_p, min_p)
+    plan = sampling_plan(temperature, top_k, top_p, min_p) if plan is None else plan
+    if plan.greedy:
+        return jnp.argmax(logits_BxV.astype(jnp.float32), axis=-1).astype(jnp.int32)
+    probs_BxV = sampling_probs(logits_BxV, temperature, top_k, top_p, min_p, plan=plan)
     return sample_probs(rng, probs_BxV)
 
 
@@ -142,7 +217,10 @@ def sampling_knobs(temperature: Scalar, top_k: Scalar, top_p: Scalar, min_p: Sca
     )
 
 
-def knob_probs(knobs: Knobs):
-    """`logits -> sampling_probs(logits, *knobs)`: the one law both q and p are built with."""
+def knob_probs(knobs: Knobs, plan: SamplingPlan | None = None):
+    """`logits -> sampling_probs(logits, *knobs)`: the one law both q and p are built with.
+    plan: as in `sampling_probs` (default: from the knobs, all stages when they are traced)."""
     t, k, p, m = knobs
-    return lambda logits: sampling_probs(logits, temperature=t, top_k=k, top_p=p, min_p=m)
+    return lambda logits: sampling_probs(
+        logits, temperature=t, top_k=k, top_p=p, min_p=m, plan=plan
+    )
