@@ -4,6 +4,7 @@ and the CLI (train-drafter, generate --drafter) works end to end."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -160,8 +161,9 @@ def test_cli_train_drafter_then_generate(target, tmp_path):
     )
     assert gen.returncode == 0, gen.stderr
     assert "tokens per round (scheduled)" in gen.stderr
-    assert "measuring the decode-round cost at verify widths 1..3" in gen.stderr
-    assert "timing verify widths" in gen.stderr  # its progress bar
+    # widths from 1, or from 0 where the engine also measures a plain decode step (width 0)
+    assert re.search(r"measuring the decode-round cost at verify widths [01]\.\.3", gen.stderr)
+    assert re.search(r"timing (verify )?widths", gen.stderr)  # its progress bar
     assert os.path.exists(os.path.join(workdir, "loop_round_cost_b1.json"))
     bad = run(
         "train-drafter",
