@@ -118,7 +118,7 @@ def test_host_loop_matches_device_loop():
 def test_scheduled_segments_match_one_round_per_call(monkeypatch):
     """The host loop runs a segment of rounds per call while the width holds; with the width
     changing, it gives the tokens and logs of one launch per round (the reference)."""
-    from v41jax.dspark import engine
+    from v41jax.model import speculative_loops as loops
 
     tp, dp, frozen, dcfg = models()
     toks, lens = prompts(5)
@@ -127,7 +127,7 @@ def test_scheduled_segments_match_one_round_per_call(monkeypatch):
         mode="scheduled", cost=STAIRS, temperature=1.0, rng=jax.random.key(3),
     )  # fmt: skip
     seg = run()
-    monkeypatch.setattr(engine, "_host_segment", engine._host_step)
+    monkeypatch.setattr(loops, "host_segment", loops.host_step)
     ref = run()
     for name, a, b in zip(seg._fields, seg, ref, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)

@@ -1,22 +1,17 @@
 """Batched DSpark speculative decoding with per-round verify widths (DeepSeek-V4.1 report).
 
-The round (`v41jax.dspark.rounds`): draft K tokens in one drafter pass plus the Markov head,
-choose the verify width w from draft-side information only, verify [pending, d_1 .. d_w] with
-the target, `speculative_sample`. Two loops drive it:
-
-- device (mode "fixed", the default loop): the whole generation is one `lax.while_loop` at
-  the static width;
-- host (mode "scheduled", or `loop="host"`): a Python loop over segments, one compiled
-  program per width that runs rounds while the scheduler keeps choosing that width (a
-  `lax.while_loop`), caches donated from call to call. At a change the width is read back
-  and the matching program is dispatched, so each width costs what it costs. (A
-  `lax.switch` over the widths inside the device loop carries the KV caches through the
-  conditional and XLA copies them in and out on every round.)
+`dspark_generate` runs the speculative engine (`v41jax.model.speculative_engine`) with the
+DSpark drafter plug-in (`v41jax.dspark.rounds.DSparkProposer`): draft K tokens in one drafter
+pass plus the Markov head, choose the verify width w from draft-side information only, verify
+[pending, d_1 .. d_w] with the target, `speculative_sample`. Mode "fixed" runs the whole
+generation as one `lax.while_loop` at a static width (the device loop); mode "scheduled" (or
+`loop="host"`) runs the host loop, one compiled program per width (`speculative_loops`).
 
 The scheduler trades expected tokens against the measured cost of a whole round at each width,
 timed inside the loop (`measure_round_cost`): the drafter pass, the Markov sampling and the
 context write are paid whatever w is, so a verify-only table would overstate what a longer
-verify costs.
+verify costs. The table also holds the cost of a plain decode round (width 0, no drafter
+pass), so the scheduler can choose not to draft when drafting does not pay.
 Greedy (temperature 0) output equals plain greedy decoding token for token.
 Requirement: max(prompt length) + max_new_tokens + 2K + 1 <= target max_seq_len.
 """
@@ -24,6 +19,7 @@ Requirement: max(prompt length) + max_new_tokens + 2K + 1 <= target max_seq_len.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 import time
@@ -38,20 +34,12 @@ from tqdm.auto import tqdm
 from v41jax.config import ModelConfig
 from v41jax.dspark.config import DrafterConfig
 from v41jax.dspark.drafter import FrozenTarget, frozen_target
-from v41jax.dspark.rounds import (
-    Ctx,
-    Draft,
-    State,
-    Static,
-    any_active,
-    draft_step,
-    prefill,
-    verify_step,
-)
+from v41jax.dspark.rounds import DSparkProposer, ScheduledWidth
 from v41jax.dspark.scheduler import CostTable
 from v41jax.model.generate import _check_compression
 from v41jax.model.sampling import Scalar, sampling_knobs
-from v41jax.model.speculative import check_prompt_batch
+from v41jax.model.speculative_engine import Ctx, Static, check_prompt_batch, draft_step
+from v41jax.model.speculative_loops import host_segment, host_start, plain_segment, run_rounds
 
 MODES = ("fixed", "scheduled")
 LOOPS = ("auto", "device", "host")
@@ -68,6 +56,13 @@ class DSparkOutput(NamedTuple):
     verify_len: jax.Array
     accepted: jax.Array
     active: jax.Array
+
+
+def admission_for(drafter: DrafterConfig) -> str:
+    """The scheduler's admission rule that keeps the output law with this drafter's
+    confidences: "global" for the hidden-state head (its confidences precede every draft),
+    "early_stop" for the prev-token head (c_k reads draft k-1)."""
+    return "early_stop" if drafter.confidence_input == "prev_token" else "global"
 
 
 def check_dspark_args(
@@ -123,16 +118,24 @@ def dspark_generate(
     rng: jax.Array | None = None,
     compression: Any = None,
     loop: str = "auto",
+    admission: str | None = None,
 ) -> DSparkOutput:
     """Continue each right-padded prompt by `max_new_tokens` tokens with DSpark drafts.
 
     mode "fixed" verifies `verify_len` (default K) drafts per row per round; "scheduled"
     chooses each round's width from the confidences and `cost` (required; a round-cost table
     from `measure_round_cost`). loop "auto" is "device" for fixed, "host" for scheduled; both
-    loops give the same tokens for the same rng. The output is distributed exactly as
+    loops give the same tokens for the same rng. admission (scheduled mode): None picks the
+    one that keeps the drafter's confidences lossless (`admission_for`); "global" with the
+    prev-token confidence head is refused. The output is distributed exactly as
     `generate(target_params, ...)` with the same sampling settings.
     """
     shape = tuple(np.shape(prompt_tokens_BxP))
+    if admission not in (None, "early_stop") and admission_for(drafter) == "early_stop":
+        raise ValueError(
+            f"admission={admission!r} with drafter.confidence_input='prev_token' is not "
+            "lossless (its c_k reads the sampled draft k-1): use admission='early_stop'"
+        )
     check_dspark_args(
         target_cfg, drafter, shape, prompt_lengths_B, max_new_tokens, mode, verify_len, loop
     )
@@ -147,99 +150,21 @@ def dspark_generate(
     lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
     c = Ctx(
         nn.unbox(target_params),
-        nn.unbox(drafter_params),
-        frozen,
+        (nn.unbox(drafter_params), frozen),
         knobs,
         compression,
         lengths + max_new_tokens,
     )
-    st = Static(
-        target_cfg,
-        drafter,
-        max_new_tokens,
-        mode,
-        verify_len or drafter.block_size,
-        cost if mode == "scheduled" else None,
-    )
+    if mode == "scheduled":
+        policy = ScheduledWidth(cost, admission or admission_for(drafter))
+    else:
+        policy = verify_len or drafter.block_size
+    st = Static(target_cfg, DSparkProposer(drafter, target_cfg), max_new_tokens, policy)
     prompts = jnp.asarray(prompt_tokens_BxP, jnp.int32)
     rng = jax.random.key(0) if rng is None else rng
-    if loop == "host" or (loop == "auto" and mode == "scheduled"):
-        return _host_generate(c, prompts, lengths, rng, st)
-    return _device_generate(c, prompts, lengths, rng, st)
-
-
-def _finish(lengths_B, state: State, st: Static) -> DSparkOutput:
-    c_log, l_log, a_log, act_log = state.logs
-    idx = lengths_B[:, None] + jnp.arange(st.max_new_tokens)
-    tokens = jnp.take_along_axis(state.history, idx, axis=1)
-    rounds = act_log.sum(0).astype(jnp.int32)
-    return DSparkOutput(tokens, rounds, c_log, l_log, a_log, act_log)
-
-
-@functools.partial(jax.jit, static_argnames=("st",))
-def _device_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkOutput:
-    def one_round(state):
-        return verify_step(c, state, draft_step(c, state, st), st, st.fixed_len)
-
-    state = prefill(c, prompts_BxP, lengths_B, rng, st)
-    state = jax.lax.while_loop(lambda s: any_active(c, s), one_round, state)
-    return _finish(lengths_B, state, st)
-
-
-_finish_jit = jax.jit(_finish, static_argnames=("st",))
-
-
-def _flags(c: Ctx, state: State, d: Draft) -> jax.Array:
-    """[next width, any row active]: the two ints the host reads."""
-    return jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
-
-
-def _with_flags(c: Ctx, state: State, st: Static):
-    """The round's draft side and its `_flags`."""
-    d = draft_step(c, state, st)
-    return state, d, _flags(c, state, d)
-
-
-@functools.partial(jax.jit, static_argnames=("st",))
-def _host_start(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
-    return _with_flags(c, prefill(c, prompts_BxP, lengths_B, rng, st), st)
-
-
-# One program per round and width: this round's verify, then the next round's draft (one
-# launch per round: the reference `_host_segment` is tested against). The state (both KV
-# caches, history, logs) is donated: updated in place.
-@functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
-def _host_step(c: Ctx, state: State, d: Draft, st: Static, width: int):
-    return _with_flags(c, verify_step(c, state, d, st, width), st)
-
-
-# One program per width that keeps going while the scheduler keeps choosing that width: a run
-# of rounds at one width costs one launch and one sync, not one per round (with the width
-# stable, the host loop runs as fast as the fused device loop).
-@functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
-def _host_segment(c: Ctx, state: State, d: Draft, st: Static, width: int):
-    def same_width(carry):
-        state, d = carry
-        return any_active(c, state) & (d.width == width)
-
-    def one_round(carry):
-        state, d = carry
-        state = verify_step(c, state, d, st, width)
-        return state, draft_step(c, state, st)
-
-    state, d = jax.lax.while_loop(same_width, one_round, (state, d))
-    return state, d, _flags(c, state, d)
-
-
-def _host_generate(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> DSparkOutput:
-    """Segments of rounds at one width until every row is done; the draft after the last
-    round is computed and discarded (one drafter pass). Each call donates its state."""
-    state, d, flags = _host_start(c, prompts_BxP, lengths_B, rng, st)
-    while True:
-        width, more = (int(x) for x in jax.device_get(flags))
-        if not more:
-            return _finish_jit(lengths_B, state, st)
-        state, d, flags = _host_segment(c, state, d, st, width)
+    if loop == "auto":
+        loop = "host" if mode == "scheduled" else "device"
+    return DSparkOutput(*run_rounds(c, prompts, lengths, rng, st, loop))
 
 
 def measure_round_cost(
@@ -255,19 +180,22 @@ def measure_round_cost(
     temperature: float = 1.0,
     compression: Any = None,
     progress: bool = False,
+    include_plain: bool = True,
 ) -> CostTable:
-    """Seconds of one decode round at each verify width w = 1 .. K, B rows, as the loop runs
-    it: the drafter pass, Markov sampling, the target's verify of w + 1 tokens per row, the
-    acceptance rule and the context write. Per pass and width: a fresh prefill, then a whole
-    decode of `rounds` (K + 1) new tokens at width w as one `_host_segment` (the program the
-    scheduled loop runs), timed and divided by the rounds it ran (>= `rounds`; default 16 or
-    as many as max_seq_len holds). The first pass also compiles and is discarded; the cost is
-    the min over the other `passes`.
+    """Seconds of one decode round at each verify width w = 0 .. K, B rows, as the loop runs
+    it: for w >= 1 the drafter pass, Markov sampling, the target's verify of w + 1 tokens per
+    row, the acceptance rule and the context write; for w = 0 (`include_plain`) a plain
+    decode round: the target's step on the pending token and the context write, no drafter
+    pass. Per pass and width: a fresh prefill, then a whole decode of `rounds` (K + 1) new
+    tokens at width w as one segment (the program the scheduled loop runs: `host_segment`,
+    `plain_segment` for w = 0), timed and divided by the rounds it ran (>= `rounds`; default
+    16 or as many as max_seq_len holds). The first pass also compiles and is discarded; the
+    cost is the min over the other `passes`.
 
     Timed inside the loop on purpose: a launch and a sync per round add a fixed cost to every
     width that flattens the table and hides that short widths are cheaper. `progress` shows
-    a bar over the (passes + 1) x K timed decodes. Returns CostTable(tokens = B (1 + w),
-    seconds), the table `schedule_verify_lengths(basis="width")` reads."""
+    a bar over the timed decodes. Returns CostTable(tokens = B (1 + w), seconds), the table
+    `schedule_verify_lengths(basis="width")` reads; its B-token entry is the plain round."""
     k, s = drafter.block_size, target_cfg.max_seq_len
     if rounds is None:  # 16, or as many as the target's context holds
         rounds = max(1, min(16, (s - 2 * k - 2) // (k + 1)))
@@ -285,31 +213,36 @@ def measure_round_cost(
     knobs = sampling_knobs(temperature, 0, 1.0, 0.0)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
-    c = Ctx(nn.unbox(target_params), nn.unbox(drafter_params), frozen, knobs, compression,
+    c = Ctx(nn.unbox(target_params), (nn.unbox(drafter_params), frozen), knobs, compression,
             lengths + n_new)  # fmt: skip
     prompts = jnp.zeros((b, 1), jnp.int32)
+    proposer = DSparkProposer(drafter, target_cfg)
     tick = time.get_clock_info("perf_counter").resolution
 
     def seconds_per_round(w: int, p: int) -> float:
-        st = Static(target_cfg, drafter, n_new, "fixed", w, None)
-        state, d, _ = jax.block_until_ready(_host_start(c, prompts, lengths, jax.random.key(p), st))
+        st = Static(target_cfg, proposer, n_new, w)
+        state, d, _ = jax.block_until_ready(host_start(c, prompts, lengths, jax.random.key(p), st))
         r0 = int(state.r)
         start = time.perf_counter()
-        state, _, _ = jax.block_until_ready(_host_segment(c, state, d, st, w))
+        if w == 0:
+            segment = plain_segment(c, state, d, st, jnp.int32(n_new))
+        else:
+            segment = host_segment(c, state, d, st, w)
+        state = jax.block_until_ready(segment)[0]
         elapsed = time.perf_counter() - start
         return max(elapsed, tick) / (int(state.r) - r0)
 
-    best = [float("inf")] * k
-    bar = tqdm(total=(passes + 1) * k, desc="timing verify widths", disable=not progress)
+    widths = list(range(0 if include_plain else 1, k + 1))
+    best = {w: float("inf") for w in widths}
+    bar = tqdm(total=(passes + 1) * len(widths), desc="timing widths", disable=not progress)
     for p in range(passes + 1):  # pass 0 compiles
-        widths = list(range(1, k + 1))[:: 1 if p % 2 == 0 else -1]  # alternate: drift
-        for w in widths:
+        for w in widths[:: 1 if p % 2 == 0 else -1]:  # alternate the order: drift
             secs = seconds_per_round(w, p)
             if p:
-                best[w - 1] = min(best[w - 1], secs)
+                best[w] = min(best[w], secs)
             bar.update(1)
     bar.close()
-    return CostTable(tuple(b * (1 + w) for w in range(1, k + 1)), tuple(best))
+    return CostTable(tuple(b * (1 + w) for w in widths), tuple(best[w] for w in widths))
 
 
 def load_or_measure_cost(
@@ -329,7 +262,7 @@ def load_or_measure_cost(
     if os.path.exists(path):
         return CostTable.load(path)
     print(
-        f"measuring the decode-round cost at verify widths 1..{drafter.block_size} for batch "
+        f"measuring the decode-round cost at verify widths 0..{drafter.block_size} for batch "
         f"{batch_size} (once per drafter and batch size; saved to {path})",
         file=sys.stderr,
     )
@@ -340,3 +273,74 @@ def load_or_measure_cost(
     )  # fmt: skip
     cost.save(path)
     return cost
+
+
+@functools.partial(jax.jit, static_argnames=("st", "n"))
+def _draft_passes(c: Ctx, state, st: Static, n: int):
+    """n drafter passes on the same context (the key advances), outputs kept alive."""
+
+    def body(_, carry):
+        state, acc = carry
+        state, d = draft_step(c, state, st)
+        p = d.proposal
+        return state._replace(rng=d.rng), acc + p.confidence.sum() + p.q[..., 0].sum()
+
+    return jax.lax.fori_loop(0, n, body, (state, jnp.float32(0)))[1]
+
+
+def measure_draft_cost(
+    target_params,
+    target_cfg: ModelConfig,
+    drafter_params,
+    drafter: DrafterConfig,
+    frozen: FrozenTarget,
+    batch_size: int,
+    *,
+    passes_of: int = 16,
+    passes: int = 3,
+    temperature: float = 1.0,
+    compression: Any = None,
+) -> float:
+    """Seconds of the draft side of one round alone, B rows: the drafter pass, the Markov
+    sampling and the confidences (`draft_step`), timed as `passes_of` passes in one program
+    after a prefill of a 16-token prompt; min over `passes` timings after one that compiles.
+    With `measure_round_cost` it splits a round into drafting c and verifying v(L)."""
+    for name, val in (("batch_size", batch_size), ("passes_of", passes_of), ("passes", passes)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ValueError(f"{name}={val!r} must be an int >= 1")
+    b, p_len = batch_size, 16
+    lengths = jnp.full((b,), p_len, jnp.int32)
+    knobs = sampling_knobs(temperature, 0, 1.0, 0.0)
+    if compression is not None:
+        compression = jnp.asarray(compression, jnp.int32)
+    c = Ctx(nn.unbox(target_params), (nn.unbox(drafter_params), frozen), knobs, compression,
+            lengths + 1 + drafter.block_size)  # fmt: skip
+    st = Static(target_cfg, DSparkProposer(drafter, target_cfg), 1, drafter.block_size)
+    prompts = jnp.zeros((b, p_len), jnp.int32)
+    state = jax.block_until_ready(host_start(c, prompts, lengths, jax.random.key(0), st)[0])
+    best = float("inf")
+    for p in range(passes + 1):  # pass 0 compiles
+        start = time.perf_counter()
+        jax.block_until_ready(_draft_passes(c, state, st, passes_of))
+        if p:
+            best = min(best, (time.perf_counter() - start) / passes_of)
+    return best
+
+
+def load_or_measure_draft_cost(
+    drafter_workdir: str, target_params, target_cfg: ModelConfig, drafter_params,
+    drafter: DrafterConfig, batch_size: int, compression: Any = None,
+) -> float:  # fmt: skip
+    """`measure_draft_cost`, saved with the drafter run (`draft_cost_b{B}.json`) on first use."""
+    path = os.path.join(drafter_workdir, f"draft_cost_b{batch_size}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return float(json.load(f)["seconds"])
+    frozen = frozen_target(target_params, target_cfg)
+    secs = measure_draft_cost(
+        target_params, target_cfg, drafter_params, drafter, frozen, batch_size,
+        compression=compression,
+    )  # fmt: skip
+    with open(path, "w") as f:
+        json.dump({"seconds": secs, "batch_size": batch_size}, f)
+    return secs

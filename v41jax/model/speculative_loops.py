@@ -1,0 +1,148 @@
+"""The loops that run speculative rounds (`v41jax.model.speculative_engine`).
+
+- device (a fixed width): the whole generation is one `lax.while_loop`;
+- host (any policy): a Python loop over segments. One compiled program per width runs rounds
+  while the policy keeps choosing that width (a `lax.while_loop`), the state (both caches,
+  history, logs) donated from call to call; at a change the width is read back and the
+  matching program is dispatched, so each width costs what it costs. (A `lax.switch` over
+  the widths inside the device loop carries the KV caches through the conditional and XLA
+  copies them in and out on every round.) Width 0 ("no drafts") runs plain decode steps
+  without a drafter pass, 1, 2, 4, .. `MAX_PLAIN_ROUNDS` of them while the policy keeps
+  choosing 0 at the drafter pass that ends each run: the decision to skip drafting depends
+  only on earlier rounds, so the output law is kept.
+Both loops give the same tokens for the same rng at a fixed width.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from v41jax.model.speculative_engine import (
+    MAX_PLAIN_ROUNDS,
+    Ctx,
+    Draft,
+    EngineOutput,
+    State,
+    Static,
+    any_active,
+    draft_step,
+    plain_step,
+    prefill,
+    verify_step,
+)
+
+LOOPS = ("device", "host")
+
+
+def finish(lengths_B, state: State, st: Static) -> EngineOutput:
+    c_log, l_log, a_log, act_log = state.logs
+    idx = lengths_B[:, None] + jnp.arange(st.max_new_tokens)
+    tokens = jnp.take_along_axis(state.history, idx, axis=1)
+    rounds = act_log.sum(0).astype(jnp.int32)
+    return EngineOutput(tokens, rounds, c_log, l_log, a_log, act_log)
+
+
+_finish_jit = jax.jit(finish, static_argnames=("st",))
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def device_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput:
+    """Every round at the fixed width `st.policy` (an int), in one `lax.while_loop`."""
+
+    def one_round(state):
+        state, d = draft_step(c, state, st)
+        return verify_step(c, state, d, st, st.policy)
+
+    state = prefill(c, prompts_BxP, lengths_B, rng, st)
+    state = jax.lax.while_loop(lambda s: any_active(c, s), one_round, state)
+    return finish(lengths_B, state, st)
+
+
+def _flags(c: Ctx, state: State, d: Draft) -> jax.Array:
+    """[next width, any row active]: the two ints the host reads."""
+    return jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
+
+
+def _with_flags(c: Ctx, state: State, st: Static):
+    """The round's draft side and its `_flags`."""
+    state, d = draft_step(c, state, st)
+    return state, d, _flags(c, state, d)
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def host_start(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
+    return _with_flags(c, prefill(c, prompts_BxP, lengths_B, rng, st), st)
+
+
+# One program per round and width: this round's verify, then the next round's draft (one
+# launch per round: the reference `host_segment` is tested against).
+@functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
+def host_step(c: Ctx, state: State, d: Draft, st: Static, width: int):
+    return _with_flags(c, verify_step(c, state, d, st, width), st)
+
+
+# One program per width that keeps going while the policy keeps choosing that width: a run
+# of rounds at one width costs one launch and one sync, not one per round.
+@functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
+def host_segment(c: Ctx, state: State, d: Draft, st: Static, width: int):
+    def same_width(carry):
+        state, d = carry
+        return any_active(c, state) & (d.width == width)
+
+    def one_round(carry):
+        state, d = carry
+        return draft_step(c, verify_step(c, state, d, st, width), st)
+
+    state, d = jax.lax.while_loop(same_width, one_round, (state, d))
+    return state, d, _flags(c, state, d)
+
+
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("state",))
+def plain_segment(c: Ctx, state: State, d: Draft, st: Static, n_rounds):
+    """This round without its drafts (width 0), then up to n_rounds - 1 plain decode rounds
+    with no drafter pass, then the next round's draft. n_rounds: int32 [] >= 1 (traced: one
+    program for every run length)."""
+    state = verify_step(c, state, d, st, 0)
+
+    def more(carry):
+        state, i = carry
+        return any_active(c, state) & (i < n_rounds)
+
+    state, _ = jax.lax.while_loop(
+        more, lambda s: (plain_step(c, s[0], st), s[1] + 1), (state, jnp.int32(1))
+    )
+    return _with_flags(c, state, st)
+
+
+def host_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput:
+    """Segments of rounds at one width until every row is done; the draft after the last
+    round is computed and discarded (one drafter pass). Each call donates its state."""
+    state, d, flags = host_start(c, prompts_BxP, lengths_B, rng, st)
+    zeros_in_a_row = 0
+    while True:
+        width, more = (int(x) for x in jax.device_get(flags))
+        if not more:
+            return _finish_jit(lengths_B, state, st)
+        if width == 0:
+            n = min(2**zeros_in_a_row, MAX_PLAIN_ROUNDS)
+            zeros_in_a_row += 1
+            state, d, flags = plain_segment(c, state, d, st, jnp.int32(n))
+        else:
+            zeros_in_a_row = 0
+            state, d, flags = host_segment(c, state, d, st, width)
+
+
+def run_rounds(c: Ctx, prompts_BxP, lengths_B, rng, st: Static, loop: str) -> EngineOutput:
+    """The generation on `loop` ("device" needs a fixed int policy)."""
+    if loop not in LOOPS:
+        raise ValueError(f"loop={loop!r} not in {LOOPS}")
+    if loop == "device":
+        if not isinstance(st.policy, int):
+            raise ValueError(
+                "loop='device' runs one static verify width; a policy needs loop='host'"
+            )
+        return device_loop(c, prompts_BxP, lengths_B, rng, st)
+    return host_loop(c, prompts_BxP, lengths_B, rng, st)
