@@ -23,24 +23,19 @@ import functools
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
-from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
-from v41jax.data import BatchIterator, eval_batches, prepare_data
 from v41jax.dspark.config import DrafterRunConfig, override_run_config
 from v41jax.dspark.drafter import Drafter, frozen_target
 from v41jax.dspark.objective import drafter_loss, eval_metrics, sample_anchors, target_features
 from v41jax.train import load_run, run_identity
-from v41jax.train.batches import add_engram_ids
-from v41jax.train.checkpoint import Checkpointer, StopSignal
-from v41jax.train.metrics import MetricsWriter
+from v41jax.train.checkpoint import Checkpointer
 
 CONFIG_FILE = "drafter.json"
 
@@ -157,21 +152,37 @@ def _optimizer(cfg: DrafterRunConfig) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
-def make_train_step(cfg: DrafterRunConfig, target_cfg, layer_ids):
+def make_update(cfg: DrafterRunConfig, target_cfg):
+    """(optimizer, jitted update(state, frozen, feats, logits, batch, anchors) -> (state,
+    metrics)): one optimizer step of the drafter on a frozen-target pass's features and
+    logits (`target_features`)."""
     opt = _optimizer(cfg)
     loss_fn = functools.partial(
         drafter_loss, drafter=cfg.drafter, target_cfg=target_cfg, train=cfg.train
     )
 
     @jax.jit
-    def step(state, target_params, frozen, batch, anchors):
-        feats, logits = target_features(target_params, target_cfg, layer_ids, batch)
+    def update(state, frozen, feats, logits, batch, anchors):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(state["params"], frozen, feats, logits, batch, anchors)
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics["grad_norm"] = optax.tree.norm(grads)
         return {"params": params, "opt_state": opt_state}, metrics
+
+    return opt, update
+
+
+def make_train_step(cfg: DrafterRunConfig, target_cfg, layer_ids):
+    """(optimizer, step(state, target_params, frozen, batch, anchors)): the frozen-target
+    pass then `make_update`'s step, for one drafter."""
+    opt, update = make_update(cfg, target_cfg)
+    features = jax.jit(functools.partial(target_features, target_cfg=target_cfg,
+                                         layer_ids=tuple(layer_ids)))  # fmt: skip
+
+    def step(state, target_params, frozen, batch, anchors):
+        feats, logits = features(target_params, batch=batch)
+        return update(state, frozen, feats, logits, batch, anchors)
 
     return opt, step
 
@@ -221,96 +232,17 @@ def train_drafter(
     init_from: str | None = None,
     progress: bool = True,
 ) -> dict:
-    """Train (or resume) the drafter in `workdir` against the target in `target_workdir`.
+    """Train (or resume) the drafter in `workdir` against the target in `target_workdir`:
+    `train_shared.train_drafters` with this one drafter (one loop for one or many).
 
     Every check runs before the first write, so a refused command (missing target, other
     settings, bad layer ids) leaves `workdir` as it was (not even created)."""
-    target = load_run(target_workdir)
-    tcfg = target.cfg
-    layer_ids = cfg.drafter.layer_ids_for(tcfg.model.num_layers)
-    record = {
-        "config": config_lib.to_dict(cfg),
-        "target_workdir": _relative(target_workdir, workdir),
-        "target_step": int(target.step),
-        "target_identity": run_identity(tcfg),
-        "init_from": _relative(init_from, workdir) if init_from else None,
-    }
-    resuming = _check_record(workdir, record)
-    data_cfg = tcfg.data
-    if cfg.train.data_paths:
-        data_cfg = dataclasses.replace(data_cfg, paths=tuple(cfg.train.data_paths))
-    data = prepare_data(data_cfg, show_progress=progress, tokenizer=target.tokenizer)
-    seq_len = tcfg.data.seq_len
-    frozen = frozen_target(target.params, tcfg.model)
-    target_params = nn.unbox(target.params)
-    opt, step_fn = make_train_step(cfg, tcfg.model, layer_ids)
-    if init_from:
-        params = load_drafter(init_from, target=target, check=False)[1]
-    else:
-        params = init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed)
-    state = {"params": params, "opt_state": opt.init(params)}
-    if not resuming or record["target_workdir"] != _load_record(workdir)["target_workdir"]:
-        _write_record(workdir, record)  # a new run, or its target moved (identity checked)
-    it = BatchIterator(
-        data.train_tokens, data.train_segments, seq_len, cfg.train.batch_size, seed=cfg.train.seed
-    )
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
-    start = ckpt.latest_step() or 0
-    eval_path = os.path.join(workdir, "eval.json")
-    if start >= cfg.train.steps and os.path.exists(eval_path):  # finished: nothing to do
-        ckpt.close()
-        with open(eval_path) as f:
-            return json.load(f)
-    if start:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        state, data_state = ckpt.restore(start, abstract)
-        it.restore(data_state)
-    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
-    n_val = cfg.train.eval_batches
-    val = [
-        add_engram_ids(b, data.compression, tcfg.model)
-        for b in eval_batches(
-            data.val_tokens, data.val_segments, seq_len, cfg.train.batch_size, n_val
-        )
+    from v41jax.dspark.train_shared import train_drafters  # it builds on this module
+
+    init = {workdir: init_from} if init_from else None
+    return train_drafters({workdir: cfg}, target_workdir, init_from=init, progress=progress)[
+        workdir
     ]
-    prepare = lambda b: {
-        k: jnp.asarray(v) for k, v in add_engram_ids(b, data.compression, tcfg.model).items()
-    }
-    val = [prepare(b) for b in val]
-    result: dict = {"step": start}
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not progress, desc="drafter")
-    t0 = time.perf_counter()
-    with StopSignal() as stop:
-        for step in range(start, cfg.train.steps):
-            batch = prepare(it.batch_at(step))
-            anchors = _anchors_at(
-                cfg.train.seed, step, cfg.train.batch_size, seq_len, cfg.train.anchors_per_seq
-            )
-            state, metrics = step_fn(state, target_params, frozen, batch, jnp.asarray(anchors))
-            it.step = step + 1
-            done = step + 1
-            bar.update(1)
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
-                rec = {"step": done, **_flat(metrics), "wall_s": time.perf_counter() - t0}
-                writer.write(rec)
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
-            every = cfg.train.eval_every
-            if done == cfg.train.steps or (every and done % every == 0):
-                ev = evaluate_drafter(cfg, target, frozen, state["params"], val, layer_ids)
-                writer.write({"step": done, **ev})
-                result = {"step": done, **ev}
-            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
-                ckpt.save(done, state, it.state())
-            if stop.received is not None:
-                ckpt.save(done, state, it.state())
-                result = {"step": done, "stopped": True}
-                break
-    bar.close()
-    ckpt.close()
-    if not result.get("stopped"):
-        with open(eval_path, "w") as f:
-            json.dump(result, f, indent=2)
-    return result
 
 
 def load_drafter(workdir: str, step: int | None = None, *, target=None, check: bool = True):

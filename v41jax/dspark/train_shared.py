@@ -1,0 +1,210 @@
+"""Several drafters trained against one frozen-target pass per step.
+
+Against a deep target the frozen forward (hidden states of the layers the drafters read and
+the target's logits over every position) costs several times a drafter's own forward and
+backward, and it is the same for every drafter that shares the batch: the batch at step s is a
+pure function of (seed, s) and the anchors too. `train_drafters` therefore computes it once per
+step and hands it to each drafter's update, which is exactly what separate runs would compute:
+each drafter's params, checkpoints and metrics equal those of `train_drafter` alone (tested).
+Drafters that share a pass must agree on everything that fixes the batch (train.seed,
+batch_size, anchors_per_seq, data_paths); each keeps its own workdir, so resume works per
+drafter: a drafter that is further along skips the steps it has already taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from tqdm.auto import tqdm
+
+from v41jax import config as config_lib
+from v41jax.data import BatchIterator, eval_batches, prepare_data
+from v41jax.dspark import train as T
+from v41jax.dspark.config import DrafterRunConfig
+from v41jax.dspark.drafter import frozen_target
+from v41jax.dspark.objective import target_features
+from v41jax.train import load_run, run_identity
+from v41jax.train.batches import add_engram_ids
+from v41jax.train.checkpoint import Checkpointer, StopSignal
+from v41jax.train.metrics import MetricsWriter
+
+# What fixes the batch and anchors: drafters sharing a target pass must agree on these.
+SHARED_FIELDS = ("seed", "batch_size", "anchors_per_seq", "data_paths")
+
+
+@dataclasses.dataclass
+class _Run:
+    """One drafter's run: its config, workdir, state and writers."""
+
+    cfg: DrafterRunConfig
+    workdir: str
+    state: dict
+    update: object
+    ckpt: Checkpointer
+    writer: MetricsWriter
+    start: int
+    result: dict
+    data_state: dict | None
+
+
+def _check_shared(cfgs: dict[str, DrafterRunConfig], target_layers: int) -> tuple:
+    first = next(iter(cfgs.values()))
+    for workdir, cfg in cfgs.items():
+        for name in SHARED_FIELDS:
+            a, b = getattr(cfg.train, name), getattr(first.train, name)
+            if a != b:
+                raise ValueError(
+                    f"drafters sharing a target pass must agree on train.{name}: {workdir} has "
+                    f"{a!r}, another {b!r}"
+                )
+    layers = sorted({i for c in cfgs.values() for i in c.drafter.layer_ids_for(target_layers)})
+    return first.train, tuple(layers)
+
+
+def _record(cfg, workdir, target, target_workdir, init_from) -> dict:
+    return {
+        "config": config_lib.to_dict(cfg),
+        "target_workdir": T._relative(target_workdir, workdir),
+        "target_step": int(target.step),
+        "target_identity": run_identity(target.cfg),
+        "init_from": T._relative(init_from, workdir) if init_from else None,
+    }
+
+
+def _open_run(cfg, workdir, target, record, resuming, init_from, frozen) -> _Run | None:
+    """Open (or resume) one drafter's run, its record checked; None when it has finished."""
+    tcfg = target.cfg
+    if not resuming or record["target_workdir"] != T._load_record(workdir)["target_workdir"]:
+        T._write_record(workdir, record)  # a new run, or its target moved (identity checked)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    start = ckpt.latest_step() or 0
+    if start >= cfg.train.steps and os.path.exists(os.path.join(workdir, "eval.json")):
+        ckpt.close()
+        return None
+    opt, update = T.make_update(cfg, tcfg.model)
+    if init_from:
+        params = T.load_drafter(init_from, target=target, check=False)[1]
+    else:
+        params = T.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed)
+    state = {"params": params, "opt_state": opt.init(params)}
+    data_state = None
+    if start:
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+        state, data_state = ckpt.restore(start, abstract)
+    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
+    return _Run(cfg, workdir, state, update, ckpt, writer, start, {"step": start}, data_state)
+
+
+def train_drafters(
+    cfgs: dict[str, DrafterRunConfig],
+    target_workdir: str,
+    *,
+    init_from: dict[str, str] | None = None,
+    progress: bool = True,
+) -> dict[str, dict]:
+    """Train (or resume) every drafter `cfgs[workdir]` in its workdir against the target in
+    `target_workdir`, one frozen-target pass per step for all of them. Returns {workdir:
+    final evaluation} (`{"step": s, "stopped": True}` for runs stopped by a signal; a finished
+    run returns its saved eval.json). Every check runs before the first write."""
+    if not cfgs:
+        raise ValueError("no drafters to train")
+    init_from = init_from or {}
+    target = load_run(target_workdir)
+    tcfg = target.cfg
+    shared, layers = _check_shared(cfgs, tcfg.model.num_layers)
+    frozen = frozen_target(target.params, tcfg.model)
+    records = {w: _record(c, w, target, target_workdir, init_from.get(w)) for w, c in cfgs.items()}
+    resuming = {w: T._check_record(w, r) for w, r in records.items()}  # all before any write
+    results, runs = {}, []
+    for workdir, cfg in cfgs.items():
+        run = _open_run(cfg, workdir, target, records[workdir], resuming[workdir],
+                        init_from.get(workdir), frozen)  # fmt: skip
+        if run is None:
+            with open(os.path.join(workdir, "eval.json")) as f:
+                results[workdir] = json.load(f)
+        else:
+            runs.append(run)
+    if not runs:
+        return results
+    data_cfg = tcfg.data
+    if shared.data_paths:
+        data_cfg = dataclasses.replace(data_cfg, paths=tuple(shared.data_paths))
+    data = prepare_data(data_cfg, show_progress=progress, tokenizer=target.tokenizer)
+    seq_len = tcfg.data.seq_len
+    it = BatchIterator(
+        data.train_tokens, data.train_segments, seq_len, shared.batch_size, seed=shared.seed
+    )
+    for r in runs:
+        if r.data_state is not None:
+            it.restore(r.data_state)  # refuses data that changed under a resumed run
+    prepare = lambda b: {
+        k: jnp.asarray(v) for k, v in add_engram_ids(b, data.compression, tcfg.model).items()
+    }
+    val_sets: dict[int, list] = {}
+
+    def evaluate(r: _Run) -> dict:
+        n = r.cfg.train.eval_batches
+        if n not in val_sets:
+            raw = eval_batches(data.val_tokens, data.val_segments, seq_len, shared.batch_size, n)
+            val_sets[n] = [prepare(b) for b in raw]
+        ids = r.cfg.drafter.layer_ids_for(tcfg.model.num_layers)
+        return T.evaluate_drafter(r.cfg, target, frozen, r.state["params"], val_sets[n], ids)
+
+    target_params = nn.unbox(target.params)
+    features = jax.jit(functools.partial(target_features, target_cfg=tcfg.model, layer_ids=layers))
+    start, end = min(r.start for r in runs), max(r.cfg.train.steps for r in runs)
+    bar = tqdm(total=end, initial=start, disable=not progress, desc="drafters")
+    t0 = time.perf_counter()
+    with StopSignal() as stop:
+        for step in range(start, end):
+            todo = [r for r in runs if r.start <= step < r.cfg.train.steps]
+            if not todo:  # every run is further along (resumed at different steps)
+                continue
+            batch = prepare(it.batch_at(step))
+            feats, logits = features(target_params, batch=batch)
+            anchors = jnp.asarray(
+                T._anchors_at(shared.seed, step, shared.batch_size, seq_len, shared.anchors_per_seq)
+            )
+            it.step = done = step + 1
+            for r in todo:
+                mine = _select(feats, layers, r.cfg.drafter.layer_ids_for(tcfg.model.num_layers))
+                r.state, metrics = r.update(r.state, frozen, mine, logits, batch, anchors)
+                c = r.cfg.train
+                if done % c.log_every == 0 or done == c.steps:
+                    rec = {"step": done, **T._flat(metrics), "wall_s": time.perf_counter() - t0}
+                    r.writer.write(rec)
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
+                if done == c.steps or (c.eval_every and done % c.eval_every == 0):
+                    r.result = {"step": done, **evaluate(r)}
+                    r.writer.write(r.result)
+                if done % c.checkpoint_every == 0 or done == c.steps or stop.received is not None:
+                    r.ckpt.save(done, r.state, it.state())
+                if stop.received is not None:
+                    r.result = {"step": done, "stopped": True}
+            bar.update(1)
+            if stop.received is not None:
+                break
+    bar.close()
+    for r in runs:
+        r.ckpt.close()
+        if not r.result.get("stopped"):
+            with open(os.path.join(r.workdir, "eval.json"), "w") as f:
+                json.dump(r.result, f, indent=2)
+        results[r.workdir] = r.result
+    return results
+
+
+def _select(feats_BxTxF, layers: tuple[int, ...], mine: tuple[int, ...]):
+    """A drafter's features (its layers in its order) from the shared pass over `layers`."""
+    if tuple(mine) == layers:
+        return feats_BxTxF
+    d = feats_BxTxF.shape[-1] // len(layers)
+    chunks = [feats_BxTxF[..., layers.index(i) * d : (layers.index(i) + 1) * d] for i in mine]
+    return jnp.concatenate(chunks, axis=-1)
