@@ -23,9 +23,7 @@ import argparse
 import json
 import os
 import sys
-import time
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
@@ -36,16 +34,14 @@ from report import write_report  # noqa: E402
 
 from v41jax import config as config_lib  # noqa: E402
 from v41jax.bench.common import machine_info  # noqa: E402
-from v41jax.data import prepare_data  # noqa: E402
 from v41jax.data.corpus import split_speeches_by_year  # noqa: E402
 from v41jax.dspark import analysis as A  # noqa: E402
 from v41jax.dspark.config import DrafterRunConfig  # noqa: E402
-from v41jax.dspark.drafter import frozen_target  # noqa: E402
-from v41jax.dspark.engine import dspark_generate, load_or_measure_cost  # noqa: E402
+from v41jax.dspark.engine import load_or_measure_cost  # noqa: E402
 from v41jax.dspark.replay import replay_policies, stack_rounds  # noqa: E402
 from v41jax.dspark.self_text import write_target_samples  # noqa: E402
+from v41jax.dspark.study import Decoder, drafter_stats, val_prompts  # noqa: E402
 from v41jax.dspark.train import load_drafter, train_drafter  # noqa: E402
-from v41jax.model import generate  # noqa: E402
 from v41jax.sweep import experiment_dirs  # noqa: E402
 from v41jax.train import load_run, train  # noqa: E402
 
@@ -87,98 +83,10 @@ def train_all(runs_dir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def val_prompts(run, n: int, length: int) -> np.ndarray:
-    """n prompts of `length` tokens spread evenly over the run's held-out validation text."""
-    data = prepare_data(run.cfg.data, tokenizer=run.tokenizer)
-    tokens = np.asarray(data.val_tokens)
-    starts = np.linspace(0, tokens.size - length - 1, n).astype(int)
-    return np.stack([tokens[s : s + length] for s in starts]).astype(np.int32)
-
-
-class Decoder:
-    """Decodes all prompts in chunks of `batch` rows; keeps the DSpark logs of the last pass."""
-
-    def __init__(self, target, prompts):
-        self.target, self.prompts = target, prompts
-        self.frozen = frozen_target(target.params, target.cfg.model)
-
-    def _chunks(self, batch):
-        for i in range(0, len(self.prompts), batch):
-            p = self.prompts[i : i + batch]
-            yield p, np.full((len(p),), p.shape[1], np.int32)
-
-    def run(
-        self,
-        batch,
-        drafter=None,
-        mode="fixed",
-        verify_len=None,
-        cost=None,
-        temperature=None,
-        compile_first=True,
-        loop="auto",
-        seed=None,
-    ):
-        """(wall seconds of one pass over every prompt, its merged log or None for plain
-        decoding); compiled first unless `compile_first=False`. Every pass uses the same key
-        (`seed`, default config.SEED), so callers interleave passes and keep the fastest
-        (this VM drifts within minutes)."""
-        t, logs = self.target, []
-        key = jax.random.key(C.SEED if seed is None else seed)
-        temp = C.TEMPERATURE if temperature is None else temperature
-        common = dict(max_new_tokens=C.NEW_TOKENS, temperature=temp, rng=key)
-
-        def call(p, lens):
-            if drafter is None:
-                return generate(t.params, t.cfg.model, p, lens, **common)
-            return dspark_generate(
-                t.params,
-                t.cfg.model,
-                drafter[1],
-                drafter[0].drafter,
-                self.frozen,
-                p,
-                lens,
-                mode=mode,
-                verify_len=verify_len,
-                cost=cost,
-                loop=loop,
-                **common,
-            )
-
-        if compile_first:
-            jax.block_until_ready(call(*next(self._chunks(batch))))
-        start = time.perf_counter()
-        for p, lens in self._chunks(batch):
-            out = jax.block_until_ready(call(p, lens))
-            if drafter is not None:
-                logs.append({k: np.asarray(v) for k, v in out._asdict().items()})
-        return time.perf_counter() - start, (A.merge_logs(logs) if logs else None)
-
-
-def drafter_stats(log: dict, k: int) -> dict:
-    alpha, reached = A.acceptance_per_position(log["verify_len"], log["accepted"], log["active"], k)
-    fixed_k = bool(np.all(log["verify_len"][log["active"]] == k))
-    return {
-        "acceptance": [None if np.isnan(a) else float(a) for a in alpha],
-        "reached": reached.tolist(),
-        "tokens_per_round": A.tokens_per_round(log["accepted"], log["active"]),
-        "predicted_tokens_per_round": (
-            A.predicted_tokens_per_round(alpha, k)
-            if fixed_k and not np.isnan(alpha).any()
-            else None
-        ),
-        "mean_verify_len": float(log["verify_len"][log["active"]].mean()),
-        "calibration": A.calibration(
-            log["confidence"], log["verify_len"], log["accepted"], log["active"]
-        ),
-    }
-
-
 def evaluate_all(w: dict) -> dict:
     target, post = load_run(w["target"]), load_run(w["post"])
     prompts = val_prompts(target, C.NUM_PROMPTS, C.PROMPT_LEN)
-    dec, total = Decoder(target, prompts), C.NUM_PROMPTS * C.NEW_TOKENS
+    dec, total = Decoder(target, prompts, C.NEW_TOKENS, C.SEED), C.NUM_PROMPTS * C.NEW_TOKENS
     drafters = {name: load_drafter(w[name]) for name in [*C.DRAFTERS, *C.ABLATIONS]}
     main_k = drafters[C.MAIN][0].drafter.block_size
     stats, rows = {}, []
@@ -194,7 +102,9 @@ def evaluate_all(w: dict) -> dict:
             return dec.run(b, compile_first=first)
         cost = load_cost(w[name], target, drafters[name], b) if mode == "scheduled" else None
         kind = "scheduled" if mode == "scheduled" else "fixed"
-        return dec.run(b, drafters[name], kind, length, cost, compile_first=first)
+        return dec.run(
+            b, drafters[name], compile_first=first, mode=kind, verify_len=length, cost=cost
+        )
 
     # Timing: TIMING_REPEATS passes over every job in turn (interleaved: this VM's speed
     # drifts by tens of percent within minutes), the fastest pass of each job counts.
@@ -223,7 +133,7 @@ def evaluate_all(w: dict) -> dict:
                 stats[label] = drafter_stats(log, k)
         rows.append(row)
     # Realignment: the main drafter before / after, on the post-trained target's held-out text.
-    post_dec = Decoder(post, val_prompts(post, C.NUM_PROMPTS, C.PROMPT_LEN))
+    post_dec = Decoder(post, val_prompts(post, C.NUM_PROMPTS, C.PROMPT_LEN), C.NEW_TOKENS, C.SEED)
     realign = {}
     for label, d in (("before", drafters[C.MAIN]), ("after", load_drafter(w["realigned"]))):
         _, log = post_dec.run(big, d)
@@ -245,7 +155,7 @@ def rerun_scheduler_study(w: dict, out_dir: str) -> int:
     with open(path) as f:
         summary = json.load(f)
     target = load_run(w["target"])
-    dec = Decoder(target, val_prompts(target, C.NUM_PROMPTS, C.PROMPT_LEN))
+    dec = Decoder(target, val_prompts(target, C.NUM_PROMPTS, C.PROMPT_LEN), C.NEW_TOKENS, C.SEED)
     main, big = load_drafter(w[C.MAIN]), max(C.BATCHES)
     cost = load_cost(w[C.MAIN], target, main, big)
     summary["scheduler_study"] = scheduler_study(dec, main, cost, big)

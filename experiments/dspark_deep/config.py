@@ -38,3 +38,82 @@ def target_config(early_dir: str) -> Config:
         get_config(BASE), [f"data.paths={early_dir}", f"train.steps={TARGET_STEPS}", *TARGET]
     )
     return dataclasses.replace(cfg, name="dspark_deep_target")
+
+
+# The target's own text (`v41jax.dspark.self_text.write_target_samples`): continuations of
+# 16-token windows of its training text at temperature 1 (~230k new tokens).
+SELF_TEXT = dict(num_samples=2048, prompt_len=16, new_tokens=112, temperature=1.0, batch_size=128)
+# name -> `--set` overrides of DrafterRunConfig (defaults: DSpark, K = 5, 3 blocks, r = 32,
+# the hidden-state confidence head); all train DRAFTER_STEPS on the target's own text.
+DRAFTERS = {
+    "mtp1": [
+        "drafter.kind=mtp1",
+        "drafter.block_size=1",
+        "drafter.num_layers=1",
+        "drafter.markov_rank=0",
+    ],
+    "parallel": ["drafter.kind=parallel", "drafter.markov_rank=0"],
+    "dspark": [],
+    "dspark_1block": ["drafter.num_layers=1"],
+    "dspark_r256": ["drafter.markov_rank=256"],
+    "dspark_prev": ["drafter.confidence_input=prev_token"],
+}
+DRAFTER_STEPS = 400
+DRAFTER_COMMON = ["train.eval_every=0", "train.log_every=25", "train.checkpoint_every=50"]
+MAIN = "dspark"  # the drafter of the scheduler study
+# Wall-clock decoders: (label, drafter or None, mode). Each runs at every batch of BATCHES
+# and temperature of TEMPERATURES, in TIMING_PASSES interleaved passes.
+DECODERS = (
+    ("plain", None, None),
+    ("mtp1", "mtp1", "fixed"),
+    ("parallel", "parallel", "fixed"),
+    ("dspark fixed", "dspark", "fixed"),
+    ("dspark scheduled", "dspark", "scheduled"),
+    ("dspark 1 block fixed", "dspark_1block", "fixed"),
+    ("dspark prev-token scheduled", "dspark_prev", "scheduled"),
+)
+BATCHES = (1, 4, 8, 32, 64)
+# prompts decoded per batch size (a pass decodes them all in chunks of the batch size)
+PROMPTS = {1: 8, 4: 16, 8: 16, 32: 32, 64: 64}
+PROMPT_LEN = 32
+NEW_TOKENS = 64
+TEMPERATURES = (1.0, 0.0)
+TIMING_PASSES = 3
+# The scheduler vs every fixed length and plain decoding at these batches, SCHED_PASSES
+# interleaved passes; the replay prices every policy and the oracle bound on REPLAY_PASSES
+# decodes at fixed K.
+SCHED_BATCHES = (32, 64)
+SCHED_PASSES = 3
+REPLAY_PASSES = 4
+
+QUICK = dict(
+    BASE="tiny",
+    TARGET_STEPS=6,
+    TARGET=["train.checkpoint_every=3", "train.eval_batches=1"],
+    SELF_TEXT=dict(
+        num_samples=48,
+        prompt_len=8,
+        new_tokens=40,
+        temperature=1.0,
+        batch_size=48,
+        samples_per_file=12,
+    ),  # fmt: skip
+    DRAFTERS={"mtp1": DRAFTERS["mtp1"], "dspark": [], "dspark_prev": DRAFTERS["dspark_prev"]},
+    DRAFTER_STEPS=3,
+    DRAFTER_COMMON=DRAFTER_COMMON + ["train.batch_size=4", "train.eval_batches=1"],
+    DECODERS=(
+        ("plain", None, None),
+        ("mtp1", "mtp1", "fixed"),
+        ("dspark fixed", "dspark", "fixed"),
+        ("dspark scheduled", "dspark", "scheduled"),
+        ("dspark prev-token scheduled", "dspark_prev", "scheduled"),
+    ),
+    BATCHES=(1, 4),
+    PROMPTS={1: 2, 4: 4},
+    PROMPT_LEN=8,
+    NEW_TOKENS=8,
+    TIMING_PASSES=1,
+    SCHED_BATCHES=(4,),
+    SCHED_PASSES=1,
+    REPLAY_PASSES=1,
+)

@@ -59,3 +59,35 @@ def test_dspark_experiment_miniature(tmp_path):
     )
     for png in ("acceptance.png", "reliability.png", "throughput.png"):
         assert (out / png).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_dspark_deep_experiment_miniature(tmp_path):
+    """experiments/dspark_deep in miniature: costs c and v(L) with their ceilings, every
+    decoder at every batch and temperature with its speedup over plain decoding from the same
+    passes, the scheduler study with the replay, the target checks and the plots."""
+    out = tmp_path / "results"
+    script = os.path.join(ROOT, "experiments", "dspark_deep", "run.py")
+    cmd = [sys.executable, script, "--quick", "--runs-dir", str(tmp_path / "runs")]
+    subprocess.run(cmd + ["--out-dir", str(out)], check=True, cwd=ROOT, timeout=1800)
+    summary = json.loads((out / "summary.json").read_text())
+    rows = summary["wall_clock"]
+    decoders = [d[0] for d in summary["settings"]["DECODERS"]]
+    assert {(r["decoder"], r["batch"], r["temperature"]) for r in rows} == {
+        (d, b, t) for d in decoders for b in (1, 4) for t in (1.0, 0.0)
+    }
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["speedup_vs_plain"] > 0
+        if r["decoder"] == "plain":
+            assert r["speedup_vs_plain"] == 1.0
+    for name, by_b in summary["cost_units"].items():
+        k = len(summary["stats"][name]["acceptance"])
+        for u in by_b.values():
+            assert u["c"] > 0 and len(u["v"]) == k and len(u["ceiling"]) == k
+    study = summary["scheduler_study"]["4"]
+    assert {"plain", "scheduled", "fixed L=1"} <= set(study["configs"])
+    assert study["replay"]["oracle"] >= max(study["replay"]["fixed"]) - 1e-9
+    tables = (out / "tables.md").read_text()
+    assert "## Targets" in tables and "ceiling L=1" in tables
+    for png in ("acceptance.png", "reliability.png", "throughput_t1.png", "throughput_greedy.png"):
+        assert (out / png).stat().st_size > 0
