@@ -262,16 +262,7 @@ def _position_laws(case: _Case, ell, out, acc) -> list[dict]:
             continue  # a single stratum is the pooled test again
         labels = [f"L={s // (v + 2)},h={s % (v + 2) - 1}" for s in keep]
         table = table[keep]
-        small = table.sum(1) * law[law > 0].min() < MIN_EXPECTED
-        note = f"{(~small).sum()} strata"
-        if small.any():  # merging strata is valid: (1) holds in each, hence in their union
-            merged = table[small].sum(0)
-            table, labels = table[~small], [labels[i] for i in np.flatnonzero(~small)]
-            if merged.sum() * law[law > 0].min() >= MIN_EXPECTED:
-                table, labels = np.vstack([table, merged]), labels + ["merged"]
-                note += f" + {small.sum()} merged"
-            else:
-                note += f", {int(merged.sum())} rows in {small.sum()} small strata skipped"
+        table, labels, note = merge_small_strata(table, labels, law)
         exp = table.sum(1, keepdims=True) * law
         checks.append(_check(f"law {j}|L,h", case.name, table, exp, labels, note))
     return checks
@@ -346,3 +337,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def merge_small_strata(table, labels, law):
+    """(table, labels, note) with the strata whose expected counts are below MIN_EXPECTED
+    merged into one (kept if it is large enough, else skipped). Merging strata is valid: the
+    law holds in each, hence in their union."""
+    small = table.sum(1) * law[law > 0].min() < MIN_EXPECTED
+    note = f"{(~small).sum()} strata"
+    if small.any():
+        merged = table[small].sum(0)
+        table, labels = table[~small], [labels[i] for i in np.flatnonzero(~small)]
+        if merged.sum() * law[law > 0].min() >= MIN_EXPECTED:
+            table, labels = np.vstack([table, merged]), labels + ["merged"]
+            note += f" + {small.sum()} merged"
+        else:
+            note += f", {int(merged.sum())} rows in {small.sum()} small strata skipped"
+    return table, labels, note

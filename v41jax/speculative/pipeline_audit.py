@@ -66,12 +66,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41jax.speculative.audit import (
-    MIN_EXPECTED,
     AuditReport,
     _check,
     _position_laws,
     _validity,
     make_report,
+    merge_small_strata,
 )
 
 Pipeline = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
@@ -155,16 +155,7 @@ def _stopping_laws(case: PipelineCase, ell, out, acc) -> list[dict]:
             continue
         labels = [f"S={s // (v + 2)},h={s % (v + 2) - 1}" for s in keep]
         table = table[keep]
-        small = table.sum(1) * law[law > 0].min() < MIN_EXPECTED
-        note = f"{(~small).sum()} strata"
-        if small.any():
-            merged = table[small].sum(0)
-            table, labels = table[~small], [labels[i] for i in np.flatnonzero(~small)]
-            if merged.sum() * law[law > 0].min() >= MIN_EXPECTED:
-                table, labels = np.vstack([table, merged]), labels + ["merged"]
-                note += f" + {small.sum()} merged"
-            else:
-                note += f", {int(merged.sum())} rows in {small.sum()} small strata skipped"
+        table, labels, note = merge_small_strata(table, labels, law)
         if len(table):  # every stratum small and skipped: nothing left to test
             exp = table.sum(1, keepdims=True) * law
             checks.append(_check(f"law {j}|S,h", case.name, table, exp, labels, note))
