@@ -11,6 +11,8 @@
 # runs (later runs skip most compiles), V41JAX_TEST_XLA_CACHE=off turns it off.
 # A kernel case marked slow is slow in the Pallas interpreter: its compiled twin stays in
 # the fast selection, which is what the device check runs.
+# A worker that crashes stops the run (--max-worker-restart=0): pytest-xdist 3.8 can hang
+# for ever after replacing a crashed worker under --dist loadfile (pytest-xdist#1378).
 # pytest exits 5 when no test ran; that (like any failure) fails this script and CI.
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 marker="not slow"
@@ -19,4 +21,4 @@ if [ "${1:-}" = "--slow" ]; then
   shift
 fi
 exec python -m pytest -m "$marker" -n "${V41JAX_TEST_WORKERS:-auto}" --dist loadfile \
-  --durations=10 "$@"
+  --max-worker-restart=0 --durations=10 "$@"
