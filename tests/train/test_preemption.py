@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from v41jax.train.checkpoint import StopSignal
-from v41jax.train.preemption import AgreedStop, any_process, check_every
+from v41jax.train.preemption import AgreedStop, any_process
 
 
 class Latch:  # a StopSignal as the loop sees it
@@ -69,12 +69,17 @@ def test_one_process_stops_after_the_step_that_saw_the_signal():
         assert stop(4) and stop.received == signal.SIGTERM
 
 
-def test_check_every_is_validated(monkeypatch):
-    monkeypatch.setenv("V41JAX_STOP_CHECK_EVERY", "3")
-    assert check_every() == 3 and AgreedStop(Latch(), process_count=2).every == 3
-    monkeypatch.delenv("V41JAX_STOP_CHECK_EVERY")
-    assert check_every() == 10
-    for bad in ("0", "x", "-2"):
-        monkeypatch.setenv("V41JAX_STOP_CHECK_EVERY", bad)
-        with pytest.raises(ValueError, match=f"V41JAX_STOP_CHECK_EVERY='{bad}'"):
-            check_every()
+def test_stop_check_every_is_a_validated_resumable_config_field():
+    from v41jax import config as config_lib
+    from v41jax.train.resume import RESUMABLE_FIELDS
+
+    tiny = config_lib.get_config("tiny")
+    assert tiny.train.stop_check_every == 10 and AgreedStop(Latch(), process_count=2).every == 10
+    cfg = config_lib.override(tiny, ["train.stop_check_every=3"])
+    assert AgreedStop(Latch(), every=cfg.train.stop_check_every, process_count=2).every == 3
+    for bad in ("0", "-2"):
+        with pytest.raises(ValueError, match=f"train.stop_check_every={bad} must be >= 1"):
+            config_lib.override(tiny, [f"train.stop_check_every={bad}"])
+    with pytest.raises(ValueError, match="every=0"):
+        AgreedStop(Latch(), every=0)
+    assert "train.stop_check_every" in RESUMABLE_FIELDS

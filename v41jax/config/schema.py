@@ -169,6 +169,8 @@ class TrainConfig:
     profile_steps: str = ""  # "a,b": a jax.profiler trace of steps a..b in WORKDIR/profile
     peak_flops: float = 0.0  # per device, for MFU; 0: the device kind's (none for CPUs)
     tensorboard: bool = True  # TensorBoard event files in WORKDIR/tensorboard
+    # steps between the processes' agreements on a SIGTERM stop (v41jax.train.preemption)
+    stop_check_every: int = 10
     # persistent XLA compilation cache ("" = off); JAX_COMPILATION_CACHE_DIR takes precedence
     compilation_cache: str = "~/.cache/v41jax/xla"
 
@@ -271,6 +273,7 @@ def validate(cfg: Config) -> None:
         f"{o.table_optimizer!r}: gradient accumulation is not built for row-sparse tables",
     )
     _require(t.peak_flops >= 0, f"train.peak_flops={t.peak_flops} must be >= 0")
+    _require(t.stop_check_every >= 1, f"train.stop_check_every={t.stop_check_every} must be >= 1")
     if t.profile_steps:
         a, _, b = t.profile_steps.partition(",")
         ok = a.strip().isdigit() and b.strip().isdigit() and 1 <= int(a) <= int(b)

@@ -270,7 +270,8 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
             total=steps, initial=start, desc=f"train {cfg.name}", disable=not (progress and main)
         ) as bar,
     ):
-        stop = AgreedStop(signals)  # on one process: the signal; on several: any process's
+        # on one process: the signal; on several: any process's, agreed every n steps
+        stop = AgreedStop(signals, every=cfg.train.stop_check_every)
         for step in range(start + 1, steps + 1):
             profiler.before(step)
             state, metrics = step_fn(state, next(batches))

@@ -17,14 +17,13 @@ process that saw no signal stops too.
 
 A check makes the host wait for the step before it (the collective runs after it on the
 device), which costs a little overlap of host and device, hence every 10 steps by default
-(`V41JAX_STOP_CHECK_EVERY=n` to change it). A signal is then acted on within `every` steps:
-choose `every` so that those steps and a checkpoint fit in the grace period between SIGTERM
+(`--set train.stop_check_every=n` to change it). A signal is then acted on within `every`
+steps: choose `every` so that those steps and a checkpoint fit in the grace period between SIGTERM
 and SIGKILL (30 s on a preempted Cloud VM).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import jax
@@ -52,14 +51,6 @@ def any_process(flag: bool, process_count: int | None = None, gather=None) -> bo
     return bool(flags.any())
 
 
-def check_every() -> int:
-    """Steps between two agreements (`V41JAX_STOP_CHECK_EVERY`, default 10)."""
-    text = os.environ.get("V41JAX_STOP_CHECK_EVERY", str(DEFAULT_EVERY))
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"V41JAX_STOP_CHECK_EVERY={text!r} must be a whole number >= 1")
-    return int(text)
-
-
 class AgreedStop:
     """`stop(step)`: whether every process stops after `step` (see the module docstring).
 
@@ -69,12 +60,12 @@ class AgreedStop:
     def __init__(
         self,
         latch: StopSignal,
-        every: int | None = None,
+        every: int = DEFAULT_EVERY,
         process_count: int | None = None,
         reduce: Callable[[bool], bool] = any_process,
     ):
         self.latch = latch
-        self.every = check_every() if every is None else every
+        self.every = every
         if self.every < 1:
             raise ValueError(f"AgreedStop: every={self.every} must be >= 1")
         self.process_count = jax.process_count() if process_count is None else process_count

@@ -53,6 +53,7 @@ RESUMABLE_FIELDS = (
     "train.profile_steps",
     "train.peak_flops",
     "train.tensorboard",
+    "train.stop_check_every",
     "train.compilation_cache",
     "optim.schedule_steps",  # checked through the schedule's effective length
     *(f"model.{k}" for k in COMPUTE_ONLY_MODEL_FIELDS),
