@@ -42,7 +42,10 @@ def test_feature_outputs_equal_the_sown_reductions():
     )
     assert sorted(out.metrics) == sorted(want)
     for k, v in want.items():
-        np.testing.assert_allclose(out.metrics[k], v, rtol=1e-6, err_msg=k)
+        np.testing.assert_allclose(out.metrics[k].value, v, rtol=1e-6, err_msg=k)
+    # how microbatches combine each: MoE's batch statistics averaged, mHC's worst gain kept
+    rules = {k: m.combine for k, m in out.metrics.items()}
+    assert rules == {k: "max" if k.startswith("mhc_") else "mean" for k in want}
     np.testing.assert_allclose(out.aux_loss, cfg.moe.aux_loss_weight * moe["moe_aux_loss"])
 
 

@@ -67,3 +67,43 @@ def test_bad_microbatch_settings_are_named():
     with pytest.raises(ValueError, match="not built for row-sparse tables"):
         config_lib.override(tiny, ["train.microbatches=2", "model.engram.layer_ids=1",
                                    "optim.table_optimizer=sparse_adam"])  # fmt: skip
+
+
+def test_each_metric_is_combined_by_its_own_rule_whatever_its_name():
+    """accumulated_grads knows no metric names: a metric called "mhc_x" that says "sum" is
+    summed, one called "loss_y" that says "max" is maxed; an unwrapped value is refused."""
+    import jax.numpy as jnp
+
+    from v41jax.model.metric import Metric
+    from v41jax.train.microbatch import accumulated_grads
+
+    rows = np.asarray([[1.0], [2.0], [3.0], [4.0]], np.float32)  # microbatch i = row i (k = 4)
+    mask = np.asarray([[1.0], [1.0], [1.0], [0.0]], np.float32)  # the last holds no tokens
+    batch = {"x": rows, "loss_mask": mask}
+
+    def loss_fn(w, mb):
+        v = (mb["x"] * w).sum()
+        return v, {
+            "tokens": Metric(mb["loss_mask"].sum(), "sum"),
+            "mhc_x": Metric(v, "sum"),
+            "loss_y": Metric(v, "max"),
+            "moe_z": Metric(v, "mean"),
+            "w": Metric(v, "token_mean"),
+        }
+
+    metrics, grad = accumulated_grads(loss_fn, jnp.float32(2.0), batch, 4)
+    values = rows[:, 0] * 2.0
+    assert float(metrics["tokens"]) == 3.0
+    np.testing.assert_allclose(metrics["mhc_x"], values.sum())
+    np.testing.assert_allclose(metrics["loss_y"], values.max())
+    np.testing.assert_allclose(metrics["moe_z"], values.mean())
+    np.testing.assert_allclose(metrics["w"], (values * mask[:, 0]).sum() / 3.0)
+    np.testing.assert_allclose(grad, (rows[:, 0] * mask[:, 0]).sum() / 3.0)
+
+    with pytest.raises(TypeError, match="metric 'raw' is a .*not a Metric"):
+        accumulated_grads(
+            lambda w, mb: (w, {"tokens": Metric(mb["loss_mask"].sum(), "sum"), "raw": w}),
+            jnp.float32(1.0), batch, 4,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="combine='median'"):
+        Metric(jnp.float32(0.0), "median")

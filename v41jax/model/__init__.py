@@ -30,6 +30,7 @@ from v41jax.model.layout import (
     scan_tree,
     unscan_tree,
 )
+from v41jax.model.metric import Metric, combine_metrics, metric_values
 from v41jax.model.moe import (
     MoE,
     MoEStats,
@@ -69,6 +70,7 @@ __all__ = [
     "BlockInputs",
     "Embed",
     "KVCache",
+    "Metric",
     "MoE",
     "MoEStats",
     "ModelOutput",
@@ -81,6 +83,7 @@ __all__ = [
     "attention_reference",
     "causal_attention",
     "check_sampling_args",
+    "combine_metrics",
     "convert_layout",
     "count_params",
     "decode_step",
@@ -94,6 +97,7 @@ __all__ = [
     "is_moe_layer",
     "make_ffn",
     "matmul_params_per_token",
+    "metric_values",
     "model_flops_per_token",
     "moe_metrics",
     "param_accounting",

@@ -43,6 +43,7 @@ from v41jax.mhc import MHCResidual, composite_gain, reduce_streams
 from v41jax.mhc.layer import NormScale, SinglePassState, single_pass_materialize
 from v41jax.model.attention import Attention, AttentionLayout, KVCache
 from v41jax.model.layers import RMSNorm, SwiGLU
+from v41jax.model.metric import Metric
 from v41jax.model.moe import MoE, expert_width, is_moe_layer, moe_summary
 from v41jax.model.remat import ATTN_OUT, FFN_OUT, tag
 
@@ -61,8 +62,9 @@ LayerStats = dict[str, Any]
 
 
 def feature_outputs(cfg: ModelConfig, stats: list[LayerStats]) -> tuple[jax.Array, dict]:
-    """(aux_loss float32 [], metrics {name: float32 []}) of one forward pass from its blocks'
-    `LayerStats` in depth order: what the features add to the training loss and log.
+    """(aux_loss float32 [], metrics {name: Metric of float32 []}) of one forward pass from
+    its blocks' `LayerStats` in depth order: what the features add to the training loss and
+    log; each `Metric` says how microbatches combine it (`v41jax.model.metric`).
 
     MoE: aux_loss = `moe.aux_loss_weight * moe_aux_loss` and `moe_summary`'s metrics.
     mHC: `mhc_forward_gain` / `mhc_backward_gain`, the worst token's composite gain of the
@@ -72,12 +74,12 @@ def feature_outputs(cfg: ModelConfig, stats: list[LayerStats]) -> tuple[jax.Arra
     moe = moe_summary([s["moe"] for s in stats if "moe" in s])
     if moe:
         aux_loss = cfg.moe.aux_loss_weight * moe["moe_aux_loss"]
-        metrics.update(moe)
+        metrics.update({k: Metric(v, "mean") for k, v in moe.items()})  # batch statistics
     h_res = [h for s in stats for h in s.get("h_res", ())]
     if h_res:
         gains = composite_gain([jax.lax.stop_gradient(h) for h in h_res])
-        metrics["mhc_forward_gain"] = gains["forward_amax"]
-        metrics["mhc_backward_gain"] = gains["backward_amax"]
+        metrics["mhc_forward_gain"] = Metric(gains["forward_amax"], "max")  # worst token
+        metrics["mhc_backward_gain"] = Metric(gains["backward_amax"], "max")
     return aux_loss, metrics
 
 

@@ -65,6 +65,7 @@ from v41jax.model.block import (  # noqa: F401 (re-exported: the model's public 
 )
 from v41jax.model.layers import Embed, RMSNorm, normal_init
 from v41jax.model.layout import Segment, layer_segments
+from v41jax.model.metric import Metric
 from v41jax.model.remat import remat_block
 
 Cache = dict[str, KVCache]
@@ -83,9 +84,9 @@ class ModelOutput(NamedTuple):
     lse: jax.Array | None = None
     target_logit: jax.Array | None = None
     # the features' auxiliary loss, float32 [] (0 without one), to be added to the training
-    # loss, and their metrics {name: float32 []} (block.feature_outputs)
+    # loss, and their metrics {name: Metric} (block.feature_outputs; v41jax.model.metric)
     aux_loss: jax.Array | float = 0.0
-    metrics: Mapping[str, jax.Array] = {}
+    metrics: Mapping[str, Metric] = {}
 
 
 def check_cache(cfg: ModelConfig, cache: Any) -> None:

@@ -10,10 +10,11 @@ sums the gradients of
 
 whose sum over i is the full batch's token-mean loss (cross-entropy and z-loss are token
 sums divided by N), so the summed gradient equals the full batch's up to float32 summation
-order. Metrics: loss, ce and log_z_sq are token-weighted means, tokens a sum, the mHC gains
-the max, other metrics (MoE) the mean over microbatches. MoE's load-balancing loss is a
-statistic of the whole batch; accumulation uses the token-weighted mean of the
-microbatches' (as large-batch MoE training does).
+order. Metrics are `Metric`s, each combined over the microbatches by its own rule
+(`v41jax.model.metric`): the loss terms are token-weighted means and tokens a sum (the
+step's), the model's features say theirs (MoE statistics: means; mHC gains: the max).
+MoE's load-balancing loss is a statistic of the whole batch; accumulation uses the mean of
+the microbatches' (as large-batch MoE training does).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_WEIGHTED = ("loss", "ce", "log_z_sq")
+from v41jax.model.metric import combine_metrics, metric_values
 
 
 def split_microbatches(batch: dict, k: int) -> dict:
@@ -36,14 +37,14 @@ def split_microbatches(batch: dict, k: int) -> dict:
 
 
 def accumulated_grads(loss_fn, params, batch: dict, k: int):
-    """(metrics, grads) of the full batch from k microbatches; `loss_fn(params, batch)` ->
-    (token-mean loss, metrics with "tokens")."""
+    """(metrics {name: float32 []}, grads) of the full batch from k microbatches;
+    `loss_fn(params, batch)` -> (token-mean loss, {name: Metric} with "tokens")."""
     micro = split_microbatches(batch, k)
     total = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
 
     def weighted(p, mb):
         loss, metrics = loss_fn(p, mb)
-        return loss * metrics["tokens"] / total, metrics
+        return loss * metric_values(metrics)["tokens"] / total, metrics
 
     grad_fn = jax.value_and_grad(weighted, has_aux=True)
 
@@ -54,15 +55,5 @@ def accumulated_grads(loss_fn, params, batch: dict, k: int):
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     grads, per_micro = jax.lax.scan(body, zeros, micro)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    share = per_micro["tokens"] / total  # [k]
-    metrics = {}
-    for key, values in per_micro.items():
-        if key in _WEIGHTED:
-            metrics[key] = jnp.sum(values * share)
-        elif key == "tokens":
-            metrics[key] = jnp.sum(values)
-        elif key.startswith("mhc_"):
-            metrics[key] = jnp.max(values)
-        else:
-            metrics[key] = jnp.mean(values)
-    return metrics, grads
+    share = metric_values(per_micro)["tokens"] / total  # [k]
+    return combine_metrics(per_micro, share), grads

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from v41jax import sharding
 from v41jax.config import Config
 from v41jax.model import ENGRAM_ROWS_PREFIX, engram_rows_key
+from v41jax.model.metric import Metric, metric_values
 from v41jax.train.batches import BASE_BATCH_KEYS, batch_keys
 from v41jax.train.host_tables import uses_host_tables
 from v41jax.train.microbatch import accumulated_grads
@@ -57,7 +58,8 @@ def loss_from_stats(
 
 def _forward_loss(model, params, batch, z_loss):
     """(loss, metrics) of one batch: the token loss plus the model's `aux_loss`; metrics
-    those of `loss_from_stats` (loss then the total) and the model's `metrics`."""
+    those of `loss_from_stats` (loss then the total) and the model's `metrics`, all as
+    `Metric`s (the loss terms token means, tokens a sum) for gradient accumulation."""
     extras = {k: v for k, v in batch.items() if k not in BASE_BATCH_KEYS}
     out = model.apply(
         {"params": params},
@@ -72,7 +74,8 @@ def _forward_loss(model, params, batch, z_loss):
     else:
         loss, metrics = next_token_loss(out.logits, batch["targets"], batch["loss_mask"], z_loss)
     loss = loss + out.aux_loss
-    return loss, dict(metrics, loss=loss, **out.metrics)
+    metrics = {k: Metric(v, "sum" if k == "tokens" else "token_mean") for k, v in metrics.items()}
+    return loss, dict(metrics, loss=Metric(loss, "token_mean"), **out.metrics)
 
 
 def make_train_step(
@@ -92,6 +95,7 @@ def make_train_step(
             metrics, grads = accumulated_grads(loss_fn, state.params, batch, k)
         else:
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            metrics = metric_values(metrics)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads), lr=schedule(state.step))
@@ -99,7 +103,10 @@ def make_train_step(
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
-    forward = lambda params, batch: _forward_loss(model, params, batch, z_loss)  # noqa: E731
+    def forward(params, batch):  # the sparse and host steps take one microbatch: plain values
+        loss, metrics = _forward_loss(model, params, batch, z_loss)
+        return loss, metric_values(metrics)
+
     out_shardings = (state_shardings, sharding.replicated(mesh))
     if uses_host_tables(cfg):  # rows in, row gradients out: the host updates its tables
         train_step = host_train_step(cfg, forward, optimizer, schedule)
@@ -120,7 +127,7 @@ def make_eval_step(cfg: Config, mesh: Mesh, model, param_shardings) -> Callable:
     """jit(eval_step)(params, batch) -> {"loss_sum", "tokens"} (sums, so batches add up)."""
 
     def eval_step(params, batch):
-        _, metrics = _forward_loss(model, params, batch, 0.0)
+        metrics = metric_values(_forward_loss(model, params, batch, 0.0)[1])
         return {"loss_sum": metrics["ce"] * metrics["tokens"], "tokens": metrics["tokens"]}
 
     jitted = jax.jit(
