@@ -1,6 +1,7 @@
 """Test-wide setup: 8 fake CPU devices, set before jax is first imported."""
 
 import os
+import sys
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -48,6 +49,37 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(_XLA_CACHE, ignore_errors=True)
+
+
+def _memory_maps() -> int:
+    """This process's memory mappings (lines of /proc/self/maps; 0 where there is none)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+# Each program XLA:CPU compiles holds about six memory mappings (its JIT-ed code and data)
+# for as long as jax's caches keep it. A worker that runs hundreds of test files compiles
+# thousands of programs and reaches the kernel's limit on mappings per process
+# (vm.max_map_count, 65,530 by default); the next mmap inside LLVM then fails and the worker
+# dies with a segfault in whatever compile comes next (seen in CI: the core had 65,506 maps).
+# So the compiled programs are dropped when a worker moves on to another file, and within a
+# file once it holds more than MAX_MAPS mappings.
+MAX_MAPS = 30_000
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if "jax" not in sys.modules:
+        return
+    if nextitem is None or nextitem.path != item.path or _memory_maps() > MAX_MAPS:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session", autouse=True)
