@@ -15,12 +15,13 @@ from v41jax import config as config_lib
 from v41jax.config import ModelConfig
 from v41jax.data import BatchIterator, CompressionTable
 from v41jax.engram import EngramConfig, ngram_hash_ids_np
+from v41jax.engram.params import TABLE_GROUP as ENGRAM_TABLE_GROUP
 from v41jax.model import Transformer, decode_step, engram_ids_key, generate, prefill
 from v41jax.sharding import make_mesh
 from v41jax.train import train
 from v41jax.train.batches import add_engram_ids
 from v41jax.train.optimizer import param_group_labels
-from v41jax.train.state import ENGRAM_TABLE_GROUP, make_state_fns, optimizer_config
+from v41jax.train.state import make_state_fns, optimizer_config
 from v41jax.train.step import make_train_step
 
 V, V_PRIME = 64, 40

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from v41jax.config.schema import ParamGroup
 from v41jax.engram.config import EngramConfig
 from v41jax.engram.primes import stored_table_rows, table_rows
 
@@ -117,3 +118,18 @@ def size_tables_for_budget(
         lo, hi = (mid, hi) if rows(mid) <= target_rows else (lo, mid)
     best = min((lo, hi), key=lambda s: (abs(rows(s) - target_rows), s))
     return _with_size(cfg, best)
+
+
+TABLE_GROUP = "engram_tables"
+
+
+def table_param_group(cfg: EngramConfig) -> ParamGroup:
+    """The tables' optimizer group: the paper trains them with Adam at `table_lr_scale` x
+    the base LR (5x) and no weight decay (`table_weight_decay`), while the rest of the
+    model keeps its own groups. Matches every layer's `engram/table` param."""
+    return ParamGroup(
+        TABLE_GROUP,
+        r"(^|/)engram/table$",
+        lr_scale=cfg.table_lr_scale,
+        weight_decay=cfg.table_weight_decay,
+    )

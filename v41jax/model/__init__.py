@@ -13,6 +13,7 @@ from v41jax.model.attention import (
     make_attention_mask,
     update_cache,
 )
+from v41jax.model.block import feature_param_groups
 from v41jax.model.generate import DecodeState, decode_step, generate, init_cache, prefill
 from v41jax.model.layers import (
     Embed,
@@ -54,6 +55,7 @@ from v41jax.model.transformer import (
     engram_ids_key,
     engram_rows_key,
     ffn_kind_for_layer,
+    init_inputs,
     init_params,
     make_ffn,
 )
@@ -88,9 +90,11 @@ __all__ = [
     "count_params",
     "decode_step",
     "expert_capacity",
+    "feature_param_groups",
     "ffn_kind_for_layer",
     "generate",
     "init_cache",
+    "init_inputs",
     "init_params",
     "layer_segments",
     "make_attention_mask",

@@ -37,8 +37,9 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from v41jax.config import ModelConfig
+from v41jax.config import ModelConfig, ParamGroup
 from v41jax.engram import Engram
+from v41jax.engram.params import table_param_group
 from v41jax.mhc import MHCResidual, composite_gain, reduce_streams
 from v41jax.mhc.layer import NormScale, SinglePassState, single_pass_materialize
 from v41jax.model.attention import Attention, AttentionLayout, KVCache
@@ -81,6 +82,12 @@ def feature_outputs(cfg: ModelConfig, stats: list[LayerStats]) -> tuple[jax.Arra
         metrics["mhc_forward_gain"] = Metric(gains["forward_amax"], "max")  # worst token
         metrics["mhc_backward_gain"] = Metric(gains["backward_amax"], "max")
     return aux_loss, metrics
+
+
+def feature_param_groups(cfg: ModelConfig) -> tuple[ParamGroup, ...]:
+    """The optimizer groups the features ask for, to go first (first match wins) before the
+    run's own `optim.param_groups`: Engram's tables (`table_param_group`). () for none."""
+    return (table_param_group(cfg.engram),) if cfg.engram.enabled else ()
 
 
 def engram_ids_key(layer: int) -> str:

@@ -317,14 +317,21 @@ def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
     return _init_params_jit(cfg, rng)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _init_params_jit(cfg: ModelConfig, rng: jax.Array) -> Any:
-    # Engram layers need hash ids to trace; id 0 is a valid row of every head's table.
+def init_inputs(cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(tokens int32 [1, 1], extras) for `Transformer(cfg).init` to trace: the params depend
+    on the config and the RNG only. Engram layers need hash ids to trace; id 0 is a valid
+    row of every head's table."""
     extras = {
         engram_ids_key(layer): jnp.zeros((1, 1, cfg.engram.num_heads_total), jnp.int32)
         for layer in (cfg.engram.layer_ids if cfg.engram.enabled else ())
     }
-    return Transformer(cfg).init(rng, jnp.zeros((1, 1), jnp.int32), extras=extras)["params"]
+    return jnp.zeros((1, 1), jnp.int32), extras
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _init_params_jit(cfg: ModelConfig, rng: jax.Array) -> Any:
+    tokens, extras = init_inputs(cfg)
+    return Transformer(cfg).init(rng, tokens, extras=extras)["params"]
 
 
 def count_params(params: Any) -> int:

@@ -17,8 +17,8 @@ from flax import struct
 from jax.sharding import Mesh
 
 from v41jax import sharding
-from v41jax.config import Config, OptimConfig, ParamGroup
-from v41jax.model import Transformer, engram_ids_key
+from v41jax.config import Config, OptimConfig
+from v41jax.model import Transformer, feature_param_groups, init_inputs
 from v41jax.train.optimizer import make_optimizer, schedule_length
 from v41jax.train.sparse_tables import (
     init_table_states,
@@ -38,22 +38,13 @@ class TrainState:
     rng: jax.Array
 
 
-ENGRAM_TABLE_GROUP = "engram_tables"
-
-
 def optimizer_config(cfg: Config) -> OptimConfig:
-    """`cfg.optim` plus, with Engram, a first-matching group for the tables (paper: Adam at
-    5x the base LR, no weight decay; `model.engram.table_lr_scale/table_weight_decay`)."""
-    engram = cfg.model.engram
-    if not engram.enabled:
+    """`cfg.optim` with the groups the model's features ask for put first (first match wins;
+    e.g. Engram's tables, `feature_param_groups`)."""
+    groups = feature_param_groups(cfg.model)
+    if not groups:
         return cfg.optim
-    tables = ParamGroup(
-        ENGRAM_TABLE_GROUP,
-        r"(^|/)engram/table$",
-        lr_scale=engram.table_lr_scale,
-        weight_decay=engram.table_weight_decay,
-    )
-    return dataclasses.replace(cfg.optim, param_groups=(tables, *cfg.optim.param_groups))
+    return dataclasses.replace(cfg.optim, param_groups=(*groups, *cfg.optim.param_groups))
 
 
 def build_model(cfg: Config) -> Transformer:
@@ -61,12 +52,7 @@ def build_model(cfg: Config) -> Transformer:
 
 
 def _init_params(model: nn.Module, cfg: Config, rng: jax.Array):
-    tokens = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
-    engram = cfg.model.engram
-    extras = {
-        engram_ids_key(layer): jnp.zeros((1, cfg.data.seq_len, engram.num_heads_total), jnp.int32)
-        for layer in engram.layer_ids
-    }
+    tokens, extras = init_inputs(cfg.model)
     return model.init(rng, tokens, extras=extras)["params"]
 
 
