@@ -2,6 +2,7 @@
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -102,6 +103,19 @@ def test_files_stay_small():
         if (n := len(p.read_text().splitlines())) > MAX_LINES
     ]
     assert not long, long
+
+
+def test_training_data_is_read_through_load_data():
+    """Whatever reads a run's training data (drafter training, self-text, analyses, the
+    loop) takes it from `load_data`, which honours data.token_dir; only the data package
+    itself tokenizes the corpus in memory with `prepare_data`."""
+    direct = [
+        str(p.relative_to(ROOT))
+        for p in [*PACKAGE.rglob("*.py"), *(ROOT / "experiments").rglob("*.py")]
+        if "data" not in p.relative_to(PACKAGE if PACKAGE in p.parents else ROOT).parts[:1]
+        and re.search(r"\bprepare_data\(", p.read_text())
+    ]
+    assert not direct, f"call load_data (data.token_dir) instead of prepare_data: {direct}"
 
 
 def test_ruff_clean():

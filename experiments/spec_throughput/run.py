@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 import config as C  # noqa: E402
 
 from v41jax.bench.common import time_call  # noqa: E402
-from v41jax.data import prepare_data  # noqa: E402
+from v41jax.data import load_data  # noqa: E402
 from v41jax.model import generate, sampling_probs, speculative_generate  # noqa: E402
 from v41jax.model.speculative import extend  # noqa: E402
 from v41jax.speculative import (  # noqa: E402
@@ -159,7 +159,7 @@ def step_costs(run, b: int, t_max: int, temperature: float, repeats: int, steps:
 
 
 def val_prompts(run, n: int, length: int) -> np.ndarray:
-    data = prepare_data(run.cfg.data)
+    data = load_data(run.cfg.data, tokenizer=run.tokenizer)
     tokens = np.asarray(data.val_tokens)
     starts = np.linspace(0, tokens.size - length - 1, n).astype(int)
     return np.stack([tokens[s : s + length] for s in starts]).astype(np.int32)

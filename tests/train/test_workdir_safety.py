@@ -132,6 +132,9 @@ def test_reconcile_names_what_a_rerun_may_change():
     assert ok.optim.schedule_steps == 0
     with pytest.raises(ValueError, match=r"data.seq_len: 64 -> 32.*a rerun may change only"):
         reconcile(saved, tiny("train.steps=4", "data.seq_len=32"), 2, "W")
+    # the same tokens from a token dir (its manifest is checked against data.* on load)
+    ok, changes = reconcile(saved, tiny("train.steps=4", "data.token_dir=/t"), 2, "W")
+    assert changes == ["data.token_dir: '' -> '/t'"]
 
 
 def test_a_refused_sweep_changes_nothing(run4, tmp_path):

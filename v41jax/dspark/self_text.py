@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from v41jax.data import prepare_data
+from v41jax.data import load_data
 from v41jax.model import generate
 
 
@@ -71,7 +71,8 @@ def write_target_samples(
             )
         return record
     os.makedirs(out_dir, exist_ok=True)
-    tokens = np.asarray(prepare_data(run.cfg.data, tokenizer=run.tokenizer).train_tokens)
+    # the target's training tokens (a memory map when it trained from a token dir)
+    tokens = load_data(run.cfg.data, tokenizer=run.tokenizer).train_tokens
     starts = np.linspace(0, tokens.size - prompt_len - 1, num_samples).astype(np.int64)
     eos, written = run.tokenizer.eos_id, 0
     key = jax.random.key(seed)

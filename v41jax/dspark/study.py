@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
-from v41jax.data import prepare_data
+from v41jax.data import load_data
 from v41jax.dspark import analysis as A
 from v41jax.dspark.drafter import frozen_target
 from v41jax.dspark.engine import dspark_generate
@@ -26,7 +26,7 @@ from v41jax.model import generate
 
 def val_prompts(run, n: int, length: int) -> np.ndarray:
     """n prompts int32 [n, length] spread evenly over a trained run's held-out text."""
-    data = prepare_data(run.cfg.data, tokenizer=run.tokenizer)
+    data = load_data(run.cfg.data, tokenizer=run.tokenizer)
     tokens = np.asarray(data.val_tokens)
     if tokens.size < length + 1:
         raise ValueError(

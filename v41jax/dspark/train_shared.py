@@ -25,7 +25,7 @@ from flax import linen as nn
 from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
-from v41jax.data import BatchIterator, eval_batches, prepare_data
+from v41jax.data import BatchIterator, eval_batches, load_data
 from v41jax.dspark import train as T
 from v41jax.dspark.config import DrafterRunConfig
 from v41jax.dspark.drafter import frozen_target
@@ -134,9 +134,9 @@ def train_drafters(
     if not runs:
         return results
     data_cfg = tcfg.data
-    if shared.data_paths:
-        data_cfg = dataclasses.replace(data_cfg, paths=tuple(shared.data_paths))
-    data = prepare_data(data_cfg, show_progress=progress, tokenizer=target.tokenizer)
+    if shared.data_paths:  # other text (e.g. the target's own samples), not its token dir
+        data_cfg = dataclasses.replace(data_cfg, paths=tuple(shared.data_paths), token_dir="")
+    data = load_data(data_cfg, show_progress=progress, tokenizer=target.tokenizer)
     seq_len = tcfg.data.seq_len
     it = BatchIterator(
         data.train_tokens, data.train_segments, seq_len, shared.batch_size, seed=shared.seed

@@ -37,7 +37,7 @@ from flax import linen as nn
 from flax import traverse_util
 
 from v41jax.config import ModelConfig
-from v41jax.data import CompressionTable, Tokenizer, compress_ids, prepare_data
+from v41jax.data import CompressionTable, Tokenizer, compress_ids, load_data
 from v41jax.model import ENGRAM_IDS_PREFIX, Transformer, convert_layout, layer_segments
 from v41jax.train.loop import load_run, validation_batches
 
@@ -185,7 +185,7 @@ def analyze_run(workdir: str, engram_off: bool, num_batches: int | None = None) 
     cfg, model_cfg = run.cfg, run.cfg.model
     if engram_off and not model_cfg.engram.enabled:
         raise ValueError(f"engram_off analysis of {workdir}: the model has no Engram layers")
-    data = prepare_data(cfg.data)
+    data = load_data(cfg.data, tokenizer=run.tokenizer)  # the run's token dir when it has one
     batches = validation_batches(cfg, data, num_batches or cfg.train.eval_batches)
     pad_id = model_cfg.engram.pad_id
     v_prime = data.compression.compressed_vocab_size

@@ -38,6 +38,7 @@ from v41jax.data import BatchIterator, PreparedData, eval_batches, load_data
 from v41jax.model import convert_layout, layer_segments
 from v41jax.model.host_params import host_table_arrays
 from v41jax.sharding import batch_shards, make_mesh
+from v41jax.train import run_files
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
@@ -50,7 +51,6 @@ from v41jax.train.resume import (
     reconcile,
     saved_config,
 )
-from v41jax.train.run_files import prepare as prepare_data
 from v41jax.train.run_files import write_run_files
 from v41jax.train.runs import LoadedRun, load_run
 from v41jax.train.sparse_tables import split_tables
@@ -184,7 +184,7 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
         raise FileNotFoundError(f"train.init_from={source} holds no run (no config.json)")
     if saved is not None:  # refuse a different run at once, before preparing any data
         reconcile(saved, _with_saved_vocab(cfg, saved), latest, workdir)
-    data = prepare_data(cfg, workdir, progress and main)
+    data = run_files.prepare(cfg, workdir, progress and main)
     cfg = resolve_data_dependent(cfg, data)
     changes: list[str] = []
     if saved is not None:

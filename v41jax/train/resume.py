@@ -55,6 +55,9 @@ RESUMABLE_FIELDS = (
     "train.tensorboard",
     "train.stop_check_every",
     "train.compilation_cache",
+    # the same tokens from files (prepare-data) or tokenized in memory: the token dir's
+    # manifest must match the data config (load_token_dir), and the batches are equal
+    "data.token_dir",
     "optim.schedule_steps",  # checked through the schedule's effective length
     *(f"model.{k}" for k in COMPUTE_ONLY_MODEL_FIELDS),
 )
