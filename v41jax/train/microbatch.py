@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from v41jax.model.metric import combine_metrics, metric_values
+from v41jax.model.metric import combine_metrics
 
 
 def split_microbatches(batch: dict, k: int) -> dict:
@@ -44,7 +44,7 @@ def accumulated_grads(loss_fn, params, batch: dict, k: int):
 
     def weighted(p, mb):
         loss, metrics = loss_fn(p, mb)
-        return loss * metric_values(metrics)["tokens"] / total, metrics
+        return loss * metrics["tokens"].value / total, metrics
 
     grad_fn = jax.value_and_grad(weighted, has_aux=True)
 
@@ -55,5 +55,5 @@ def accumulated_grads(loss_fn, params, batch: dict, k: int):
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     grads, per_micro = jax.lax.scan(body, zeros, micro)
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
-    share = metric_values(per_micro)["tokens"] / total  # [k]
+    share = per_micro["tokens"].value / total  # [k]
     return combine_metrics(per_micro, share), grads

@@ -18,8 +18,8 @@ process that saw no signal stops too.
 A check makes the host wait for the step before it (the collective runs after it on the
 device), which costs a little overlap of host and device, hence every 10 steps by default
 (`--set train.stop_check_every=n` to change it). A signal is then acted on within `every`
-steps: choose `every` so that those steps and a checkpoint fit in the grace period between SIGTERM
-and SIGKILL (30 s on a preempted Cloud VM).
+steps: choose `every` so that those steps and a checkpoint fit in the grace period between
+SIGTERM and SIGKILL (30 s on a preempted Cloud VM).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from v41jax.config.schema import TrainConfig
 from v41jax.train.checkpoint import StopSignal
 
-DEFAULT_EVERY = 10
+DEFAULT_EVERY = TrainConfig.stop_check_every  # the config default, one source
 
 
 def any_process(flag: bool, process_count: int | None = None, gather=None) -> bool:
