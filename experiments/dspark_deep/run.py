@@ -5,7 +5,7 @@
 
 1. Train (resumable: a finished run is skipped, an interrupted one continues from its last
    checkpoint when the same command runs again): the 24-layer target on the early speeches,
-   2048 samples of its own text, and every drafter of config.DRAFTERS on those samples
+   samples of its own text (config.SELF_TEXT), and every drafter of config.DRAFTERS on those samples
    against the frozen target (all of them from one target pass per step: `train_drafters`).
 2. Measure: the round-cost table of every drafter at every batch size (`measure_round_cost`,
    widths 0..K, saved in the drafter's workdir) and its drafter pass alone
