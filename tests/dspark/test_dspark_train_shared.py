@@ -89,3 +89,15 @@ def test_drafters_that_would_see_other_batches_are_refused(target, tmp_path):
     assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
     with pytest.raises(ValueError, match="no drafters"):
         train_drafters({}, target)
+
+
+def test_too_little_held_out_text_fails_before_the_first_step(target, tmp_path):
+    """The validation batches are cut before training: a run asking for more than the
+    held-out text holds fails at once, not after its last step (when the final evaluation
+    runs and the last checkpoint is not yet written)."""
+    workdir = tmp_path / "d"
+    with pytest.raises(ValueError, match="validation data has .* but 100000 were requested"):
+        train_drafters({str(workdir): cfg("train.eval_batches=100000")}, target, progress=False)
+    ckpts = workdir / "checkpoints"
+    assert not ckpts.exists() or not any(p.name.isdigit() for p in ckpts.iterdir())
+    assert not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text()

@@ -148,14 +148,14 @@ def train_drafters(
         k: jnp.asarray(v) for k, v in add_engram_ids(b, data.compression, tcfg.model).items()
     }
     val_sets: dict[int, list] = {}
+    for n in {r.cfg.train.eval_batches for r in runs}:  # too little held-out text fails now,
+        raw = eval_batches(data.val_tokens, data.val_segments, seq_len, shared.batch_size, n)
+        val_sets[n] = [prepare(b) for b in raw]  # not after the last step
 
     def evaluate(r: _Run) -> dict:
-        n = r.cfg.train.eval_batches
-        if n not in val_sets:
-            raw = eval_batches(data.val_tokens, data.val_segments, seq_len, shared.batch_size, n)
-            val_sets[n] = [prepare(b) for b in raw]
         ids = r.cfg.drafter.layer_ids_for(tcfg.model.num_layers)
-        return T.evaluate_drafter(r.cfg, target, frozen, r.state["params"], val_sets[n], ids)
+        val = val_sets[r.cfg.train.eval_batches]
+        return T.evaluate_drafter(r.cfg, target, frozen, r.state["params"], val, ids)
 
     target_params = nn.unbox(target.params)
     features = jax.jit(functools.partial(target_features, target_cfg=tcfg.model, layer_ids=layers))
