@@ -61,7 +61,13 @@ DRAFTERS = {
     "dspark_prev": ["drafter.confidence_input=prev_token"],
 }
 DRAFTER_STEPS = 300
-DRAFTER_COMMON = ["train.eval_every=0", "train.log_every=25", "train.checkpoint_every=50"]
+# 3 validation batches: the held-out part of the target's 1024 samples holds 51 sequences
+DRAFTER_COMMON = [
+    "train.eval_every=0",
+    "train.eval_batches=3",
+    "train.log_every=25",
+    "train.checkpoint_every=50",
+]
 MAIN = "dspark"  # the drafter of the scheduler study
 # Wall-clock decoders: (label, drafter or None, mode). Each runs at every batch of BATCHES
 # and temperature of TEMPERATURES, in TIMING_PASSES interleaved passes.
@@ -71,10 +77,12 @@ DECODERS = (
     ("parallel", "parallel", "fixed"),
     ("dspark fixed", "dspark", "fixed"),
     ("dspark scheduled", "dspark", "scheduled"),
-    ("dspark 1 block fixed", "dspark_1block", "fixed"),
-    ("dspark prev-token scheduled", "dspark_prev", "scheduled"),
+    ("dspark r256 fixed", "dspark_r256", "fixed"),
 )
 BATCHES = (1, 4, 8, 32)
+# The round-cost tables (c and v(L)) of every drafter are measured at these batches; those of
+# the scheduled drafters, which the scheduler needs, at every batch of BATCHES.
+COSTS_OF_EVERY_DRAFTER_AT = ()
 # prompts decoded per batch size (a pass decodes them all in chunks of the batch size)
 PROMPTS = {1: 4, 4: 8, 8: 16, 32: 32}
 PROMPT_LEN = 32
@@ -111,6 +119,7 @@ QUICK = dict(
         ("dspark prev-token scheduled", "dspark_prev", "scheduled"),
     ),
     BATCHES=(1, 4),
+    COSTS_OF_EVERY_DRAFTER_AT=(1,),
     PROMPTS={1: 2, 4: 4},
     PROMPT_LEN=8,
     NEW_TOKENS=8,

@@ -70,15 +70,18 @@ def train_all(runs_dir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- costs
-def cost_study(w: dict, target, drafters: dict) -> tuple[dict, dict]:
+def cost_study(w: dict, target, drafters: dict, batches: tuple[int, ...]) -> tuple[dict, dict]:
     """(cost tables {name: {batch: CostTable}}, their reading {name: {batch: {c, v, ...}}}):
     c = the drafter pass, v(L) = the rest of a round that verifies L drafts, both in plain
     rounds (the table's width-0 entry); ceiling(L) = tau(L) / (c + v(L)) with tau from the
     drafter's fixed-K acceptance (filled in by `ceilings`)."""
     tables, units = {}, {}
     tp, tcfg = target.params, target.cfg.model
+    scheduled = {name for _, name, mode in C.DECODERS if mode == "scheduled"}
     for name, (run_cfg, params, _) in drafters.items():
-        for b in C.BATCHES:
+        for b in batches:
+            if name not in scheduled and b not in C.COSTS_OF_EVERY_DRAFTER_AT:
+                continue
             cost = load_or_measure_cost(w[name], tp, tcfg, params, run_cfg.drafter, b)
             draft = load_or_measure_draft_cost(w[name], tp, tcfg, params, run_cfg.drafter, b)
             plain = cost.seconds[0]
@@ -103,6 +106,43 @@ def ceilings(units: dict, stats: dict) -> None:
             u["ceiling"] = [float(t / (u["c"] + v)) for t, v in zip(tau, u["v"], strict=True)]
 
 
+def _plain(x):
+    """numpy scalars and arrays as JSON numbers and lists (anything else as its text)."""
+    return x.tolist() if hasattr(x, "tolist") else str(x)
+
+
+class _Stages:
+    """The finished parts of the measurement, kept in a JSON file (written atomically after
+    each part) together with the settings they were measured under: a rerun with other
+    settings starts afresh instead of mixing results."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.key = json.loads(json.dumps(
+            {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"}, default=str
+        ))  # fmt: skip
+        self.parts: dict = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if saved.get("settings") == self.key:
+                self.parts = saved["parts"]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.parts
+
+    def __getitem__(self, name: str):
+        return self.parts[name]
+
+    def put(self, name: str, value):
+        self.parts[name] = json.loads(json.dumps(value, default=_plain))
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"settings": self.key, "parts": self.parts}, f)
+        os.replace(tmp, self.path)
+        return self.parts[name]
+
+
 # ----------------------------------------------------------------------------- decoding
 def decoders_at(target, batch: int) -> Decoder:
     prompts = val_prompts(target, C.PROMPTS[batch], C.PROMPT_LEN)
@@ -125,11 +165,15 @@ def acceptance_study(target, drafters: dict) -> dict:
     return out
 
 
-def wall_clock(target, drafters: dict, tables: dict) -> list[dict]:
-    """Every decoder at every batch and temperature, TIMING_PASSES interleaved passes per
-    batch size. speedup_vs_plain compares fastest passes (and medians) of the same run."""
+def wall_clock(target, drafters: dict, tables: dict, done: _Stages, batches) -> list[dict]:
+    """Every decoder at every batch of `batches` and temperature, TIMING_PASSES interleaved
+    passes per batch size. speedup_vs_plain compares fastest passes (and medians) of the same
+    run."""
     rows = []
-    for b in C.BATCHES:
+    for b in batches:
+        if f"wall_clock_b{b}" in done:
+            rows += done[f"wall_clock_b{b}"]
+            continue
         dec, jobs = decoders_at(target, b), {}
         for temp in C.TEMPERATURES:
             for label, name, mode in C.DECODERS:
@@ -142,10 +186,11 @@ def wall_clock(target, drafters: dict, tables: dict) -> list[dict]:
                 jobs[(label, temp)] = functools.partial(_decode, dec, b, d, kw)
         timed = time_interleaved(jobs, C.TIMING_PASSES, desc=f"wall clock, batch {b}")
         total = len(dec.prompts) * C.NEW_TOKENS
+        mine = []
         for (label, temp), t in timed.items():
             base = timed[("plain", temp)]
             log = t["payload"]
-            rows.append({
+            mine.append({
                 "decoder": label, "batch": b, "temperature": temp,
                 "tokens_per_s": total / t["fastest"],
                 "tokens_per_s_median": total / t["median"],
@@ -159,16 +204,20 @@ def wall_clock(target, drafters: dict, tables: dict) -> list[dict]:
                 ),
                 "passes_s": t["seconds"],
             })  # fmt: skip
+        rows += done.put(f"wall_clock_b{b}", mine)
     return rows
 
 
-def scheduler_study(target, drafter, tables: dict) -> dict:
+def scheduler_study(target, drafter, tables: dict, done: _Stages) -> dict:
     """Per batch of SCHED_BATCHES: plain, fixed L = 1..K and scheduled, interleaved; then
     the replay of REPLAY_PASSES fixed-K decodes: every fixed L, the scheduler, width 0 and
     the oracle bound priced on the same rounds."""
     run_cfg, params = drafter[:2]
     k, out = run_cfg.drafter.block_size, {}
     for b in C.SCHED_BATCHES:
+        if f"scheduler_b{b}" in done:
+            out[str(b)] = done[f"scheduler_b{b}"]
+            continue
         dec, cost = decoders_at(target, b), tables[b]
         configs = {"plain": None, "scheduled": dict(mode="scheduled", cost=cost)}
         configs.update({f"fixed L={L}": dict(verify_len=L) for L in range(1, k + 1)})
@@ -193,7 +242,8 @@ def scheduler_study(target, drafter, tables: dict) -> dict:
             for i in range(C.REPLAY_PASSES)
         ]
         replay = replay_policies(**stack_rounds(_by_batch(logs, b)), cost=cost)
-        out[str(b)] = {"cost_table": cost.to_dict(), "configs": res, "replay": replay}
+        study = {"cost_table": cost.to_dict(), "configs": res, "replay": replay}
+        out[str(b)] = done.put(f"scheduler_b{b}", study)
     return out
 
 
@@ -208,14 +258,25 @@ def _by_batch(logs: list[dict], b: int) -> list[dict]:
     return out
 
 
-def evaluate_all(w: dict) -> dict:
+def evaluate_all(w: dict, out_dir: str) -> dict:
+    """Every study; each finished part is kept in <out_dir>/stages.json, so a rerun after an
+    interruption measures only what is missing (the cost tables are kept in the drafters'
+    workdirs)."""
+    done = _Stages(os.path.join(out_dir, "stages.json"))
     target = load_run(w["target"])
     drafters = {name: load_drafter(w[name]) for name in C.DRAFTERS}
-    tables, units = cost_study(w, target, drafters)
-    stats = acceptance_study(target, drafters)
+    if "stats" not in done:
+        done.put("stats", acceptance_study(target, drafters))
+    stats = done["stats"]
+    tables, units, rows = {}, {}, []
+    for b in C.BATCHES:  # batch by batch: the costs, then the decoders that use them
+        t, u = cost_study(w, target, drafters, (b,))
+        for name in t:
+            tables.setdefault(name, {}).update(t[name])
+            units.setdefault(name, {}).update(u[name])
+        rows += wall_clock(target, drafters, tables, done, (b,))
     ceilings(units, stats)
-    rows = wall_clock(target, drafters, tables)
-    sched = scheduler_study(target, drafters[C.MAIN], tables[C.MAIN])
+    sched = scheduler_study(target, drafters[C.MAIN], tables[C.MAIN], done)
     return {
         "costs": {n: {str(b): t.to_dict() for b, t in by.items()} for n, by in tables.items()},
         "cost_units": {n: {str(b): u for b, u in by.items()} for n, by in units.items()},
@@ -246,10 +307,10 @@ def main(argv=None) -> int:
         "machine": machine_info(),
         "settings": {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"},
         "training": {n: json.load(open(os.path.join(w[n], "eval.json"))) for n in w},
-        **evaluate_all(w),
+        **evaluate_all(w, out_dir),
     }
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2, default=str)
+        json.dump(summary, f, indent=2, default=_plain)
     print(write_report(summary, out_dir))
     return 0
 
