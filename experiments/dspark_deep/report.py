@@ -101,9 +101,10 @@ def acceptance_table(stats: dict) -> str:
     k_max = max(len(s["acceptance"]) for s in stats.values())
     rows = []
     for name, s in stats.items():
+        cal = s.get("calibration") or {}  # absent or empty when no round was calibrated
         row = {"drafter": name, "tpr": s["tokens_per_round"],
-               "model": s["predicted_tokens_per_round"], "ece": s["calibration"]["ece"],
-               "len_ece": s["calibration"]["length"]["ece"]}  # fmt: skip
+               "model": s["predicted_tokens_per_round"], "ece": cal.get("ece"),
+               "len_ece": (cal.get("length") or {}).get("ece_tokens")}  # fmt: skip
         row |= {f"a{j + 1}": a for j, a in enumerate(s["acceptance"])}
         rows.append(row)
     cols = [("drafter", "drafter (batch 32, T = 1, fixed K)", "")]
