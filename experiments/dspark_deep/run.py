@@ -5,10 +5,12 @@
 
 1. Train (resumable: a finished run is skipped, an interrupted one continues from its last
    checkpoint when the same command runs again): the 24-layer target on the early speeches,
-   samples of its own text (config.SELF_TEXT), and every drafter of config.DRAFTERS on those samples
-   against the frozen target (all of them from one target pass per step: `train_drafters`).
-2. Measure: the round-cost table of every drafter at every batch size (`measure_round_cost`,
-   widths 0..K, saved in the drafter's workdir) and its drafter pass alone
+   samples of its own text (config.SELF_TEXT), and every drafter of config.DRAFTERS on
+   those samples against the frozen target (all of them from one target pass per step:
+   `train_drafters`).
+2. Measure: the round-cost tables (`measure_round_cost`, widths 0..K, saved in the
+   drafter's workdir) of every drafter at config.COSTS_OF_EVERY_DRAFTER_AT and of the
+   scheduled drafters at every batch size, and its drafter pass alone
    (`measure_draft_cost`), read as c and v(L) in plain decode rounds; acceptance per position,
    tokens per round and calibration of every drafter at fixed K (batch 32, temperature 1);
    wall-clock tokens/s of every decoder of config.DECODERS at every batch and temperature
@@ -106,6 +108,11 @@ def ceilings(units: dict, stats: dict) -> None:
             u["ceiling"] = [float(t / (u["c"] + v)) for t, v in zip(tau, u["v"], strict=True)]
 
 
+def _settings() -> dict:
+    """The experiment's settings: every upper-case name of config.py (QUICK applied)."""
+    return {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"}
+
+
 def _plain(x):
     """numpy scalars and arrays as JSON numbers and lists (anything else as its text)."""
     return x.tolist() if hasattr(x, "tolist") else str(x)
@@ -118,9 +125,7 @@ class _Stages:
 
     def __init__(self, path: str):
         self.path = path
-        self.key = json.loads(json.dumps(
-            {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"}, default=str
-        ))  # fmt: skip
+        self.key = json.loads(json.dumps(_settings(), default=_plain))
         self.parts: dict = {}
         if os.path.exists(path):
             with open(path) as f:
@@ -305,7 +310,7 @@ def main(argv=None) -> int:
     summary = {
         "setting": setting,
         "machine": machine_info(),
-        "settings": {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"},
+        "settings": _settings(),
         "training": {n: json.load(open(os.path.join(w[n], "eval.json"))) for n in w},
         **evaluate_all(w, out_dir),
     }
