@@ -83,6 +83,10 @@ BATCHES = (1, 4, 8, 32)
 # The round-cost tables (c and v(L)) of every drafter are measured at these batches; those of
 # the scheduled drafters, which the scheduler needs, at every batch of BATCHES.
 COSTS_OF_EVERY_DRAFTER_AT = ()
+# `measure_round_cost`: rounds timed per width and pass, timed passes (min taken) after the
+# one that compiles; 8 rounds of a 24-layer target are >= 0.2 s even at batch 1.
+COST_ROUNDS = 8
+COST_PASSES = 2
 # prompts decoded per batch size (a pass decodes them all in chunks of the batch size)
 PROMPTS = {1: 4, 4: 8, 8: 16, 32: 32}
 PROMPT_LEN = 32
@@ -120,6 +124,8 @@ QUICK = dict(
     ),
     BATCHES=(1, 4),
     COSTS_OF_EVERY_DRAFTER_AT=(1,),
+    COST_ROUNDS=2,
+    COST_PASSES=1,
     PROMPTS={1: 2, 4: 4},
     PROMPT_LEN=8,
     NEW_TOKENS=8,

@@ -84,7 +84,10 @@ def cost_study(w: dict, target, drafters: dict, batches: tuple[int, ...]) -> tup
         for b in batches:
             if name not in scheduled and b not in C.COSTS_OF_EVERY_DRAFTER_AT:
                 continue
-            cost = load_or_measure_cost(w[name], tp, tcfg, params, run_cfg.drafter, b)
+            cost = load_or_measure_cost(
+                w[name], tp, tcfg, params, run_cfg.drafter, b,
+                rounds=C.COST_ROUNDS, passes=C.COST_PASSES,
+            )  # fmt: skip
             draft = load_or_measure_draft_cost(w[name], tp, tcfg, params, run_cfg.drafter, b)
             plain = cost.seconds[0]
             tables.setdefault(name, {})[b] = cost

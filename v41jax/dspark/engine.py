@@ -187,10 +187,12 @@ def measure_round_cost(
     row, the acceptance rule and the context write; for w = 0 (`include_plain`) a plain
     decode round: the target's step on the pending token and the context write, no drafter
     pass. Per pass and width: a fresh prefill, then a whole decode of `rounds` (K + 1) new
-    tokens at width w as one segment (the program the scheduled loop runs: `host_segment`,
-    `plain_segment` for w = 0), timed and divided by the rounds it ran (>= `rounds`; default
-    16 or as many as max_seq_len holds). The first pass also compiles and is discarded; the
-    cost is the min over the other `passes`.
+    tokens at width w as one segment (the program the scheduled loop runs: `host_segment`),
+    timed and divided by the rounds it ran (>= `rounds`; default 16 or as many as
+    max_seq_len holds); w = 0 runs `rounds` rounds of `plain_segment` (one token each: a
+    whole decode would run K + 1 times as many rounds as the widest width for no extra
+    precision). The first pass also compiles and is discarded; the cost is the min over the
+    other `passes`.
 
     Timed inside the loop on purpose: a launch and a sync per round add a fixed cost to every
     width that flattens the table and hides that short widths are cheaper. `progress` shows
@@ -225,7 +227,7 @@ def measure_round_cost(
         r0 = int(state.r)
         start = time.perf_counter()
         if w == 0:
-            segment = plain_segment(c, state, d, st, jnp.int32(n_new))
+            segment = plain_segment(c, state, d, st, jnp.int32(rounds))
         else:
             segment = host_segment(c, state, d, st, w)
         state = jax.block_until_ready(segment)[0]
@@ -254,10 +256,14 @@ def load_or_measure_cost(
     batch_size: int,
     compression: Any = None,
     progress: bool = True,
+    *,
+    rounds: int | None = None,
+    passes: int = 3,
 ) -> CostTable:
     """The round-cost table saved with the drafter run for this batch size, measured on first
     use (`loop_round_cost_b{B}.json`; delete it to re-measure on another machine). Measuring
-    compiles and times K decodes per pass; it says so on stderr and shows `progress`."""
+    compiles and times K + 1 decodes per pass (`rounds`, `passes`: `measure_round_cost`); it
+    says so on stderr and shows `progress`."""
     path = os.path.join(drafter_workdir, f"loop_round_cost_b{batch_size}.json")
     if os.path.exists(path):
         return CostTable.load(path)
@@ -269,7 +275,7 @@ def load_or_measure_cost(
     frozen = frozen_target(target_params, target_cfg)
     cost = measure_round_cost(
         target_params, target_cfg, drafter_params, drafter, frozen, batch_size,
-        compression=compression, progress=progress,
+        rounds=rounds, passes=passes, compression=compression, progress=progress,
     )  # fmt: skip
     cost.save(path)
     return cost
