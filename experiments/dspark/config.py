@@ -120,7 +120,8 @@ QUICK = dict(
         batch_size=48,
         samples_per_file=12,
     ),
-    DRAFTER_COMMON=DRAFTER_COMMON + ["train.batch_size=4", "train.eval_batches=1"],
+    # 8 rows: the drafter batch is split over the 8 fake devices of the tests
+    DRAFTER_COMMON=DRAFTER_COMMON + ["train.batch_size=8", "train.eval_batches=1"],
     SCHED_REPEATS=2,
     REPLAY_PASSES=2,
     ABLATIONS={"dspark_corpus": []},

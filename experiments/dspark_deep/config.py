@@ -114,7 +114,8 @@ QUICK = dict(
     ),  # fmt: skip
     DRAFTERS={"mtp1": DRAFTERS["mtp1"], "dspark": [], "dspark_prev": DRAFTERS["dspark_prev"]},
     DRAFTER_STEPS=3,
-    DRAFTER_COMMON=DRAFTER_COMMON + ["train.batch_size=4", "train.eval_batches=1"],
+    # 8 rows: the drafter batch is split over the 8 fake devices of the tests
+    DRAFTER_COMMON=DRAFTER_COMMON + ["train.batch_size=8", "train.eval_batches=1"],
     DECODERS=(
         ("plain", None, None),
         ("mtp1", "mtp1", "fixed"),

@@ -24,8 +24,8 @@ SETTINGS = [
     "drafter.block_size=3",
     "drafter.markov_rank=4",
     "drafter.window=16",
-    "train.batch_size=4",
-    "train.anchors_per_seq=4",
+    "train.batch_size=8",
+    "train.anchors_per_seq=2",
     "train.steps=8",
     "train.checkpoint_every=4",
     "train.keep_checkpoints=3",
@@ -81,9 +81,9 @@ def test_backbone_is_bit_identical_and_outside_the_optimizer(target, drafter):
     assert record["target_step"] == 6 and record["step"] == 8
     n_drafter = sum(x.size for x in jax.tree.leaves(params))
     # AdamW keeps two moments per drafter param and a step count: nothing of the target's.
-    from v41jax.dspark.train import _optimizer
+    from v41jax.dspark.train_state import drafter_optimizer
 
-    opt_state = _optimizer(cfg).init(params)
+    opt_state = drafter_optimizer(cfg, params).init(params)
     n_opt = sum(np.size(x) for x in jax.tree.leaves(opt_state))
     assert n_opt <= 2 * n_drafter + 8
     assert not any(x.shape == (512, 64) for x in jax.tree.leaves(params))  # no embedding table
@@ -262,7 +262,7 @@ def test_a_short_run_lowers_the_confidence_bce_of_either_head(target, head):
     anchors = jnp.asarray(rng.integers(0, 31, (4, 4)), jnp.int32)
     kw = dict(drafter=cfg.drafter, target_cfg=tcfg, train=cfg.train, layer_ids=layer_ids)
     before = float(eval_metrics(params, run.params, frozen, batch, anchors, **kw)["conf_bce"])
-    opt, step = make_train_step(cfg, tcfg, layer_ids)
+    opt, step = make_train_step(cfg, tcfg, layer_ids, params)
     state = {"params": params, "opt_state": opt.init(params)}
     for _ in range(30):
         state, _ = step(state, run.params, frozen, batch, anchors)
@@ -284,3 +284,37 @@ def test_a_drafter_json_without_confidence_input_still_loads(target, drafter):
     cfg, _, _ = load_drafter(workdir)
     assert cfg.drafter.confidence_input == "hidden"
     train_drafter(drafter_cfg(), target, workdir, progress=False)  # resumes (finished)
+
+
+def test_a_checkpoint_of_the_earlier_optimizer_structure_resumes_exactly(target, drafter):
+    """Drafter checkpoints written with chain(clip, adamw) (before the drafter used the
+    training stack's optimizer) are read and rewrapped: resuming from such a step-4 checkpoint
+    ends on the uninterrupted run's params, so no moment was lost or swapped."""
+    from v41jax.dspark.drafter import frozen_target
+    from v41jax.dspark.train import load_drafter_config
+    from v41jax.dspark.train_state import _legacy_opt_structure, drafter_state_fns
+    from v41jax.train.checkpoint import Checkpointer
+
+    final = _leaves(load_drafter(drafter[0])[1])
+    workdir = _copy(drafter, "legacy")
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    shutil.rmtree(os.path.join(ckpt_dir, "8"))
+    os.remove(os.path.join(workdir, "eval.json"))
+    cfg, _ = load_drafter_config(workdir)
+    run = load_run(target)
+    frozen = frozen_target(run.params, run.cfg.model)
+    abstract = drafter_state_fns(cfg, run.cfg.model, frozen, run.mesh)[3]
+    ckpt = Checkpointer(ckpt_dir, 3)
+    state, data = ckpt.restore(4, abstract)
+    ckpt.close()
+    legacy = _legacy_opt_structure(cfg, abstract["params"])
+    opt_state = jax.tree.unflatten(legacy, jax.tree.leaves(state["opt_state"]))
+    old = {"params": state["params"], "opt_state": opt_state}
+    shutil.rmtree(os.path.join(ckpt_dir, "4"))
+    ckpt = Checkpointer(ckpt_dir, 3)
+    ckpt.save(4, old, data)
+    assert "inner_states" not in json.dumps(ckpt.saved_tree(4)["opt_state"], default=str)
+    ckpt.close()
+    train_drafter(drafter_cfg(), target, workdir, progress=False)
+    again = _leaves(load_drafter(workdir)[1])
+    assert all(np.array_equal(a, b) for a, b in zip(final, again, strict=True))

@@ -6,7 +6,14 @@ WORKDIR layout (resumable like `train`: the same command continues a killed run)
                        later use checks (a rerun must match; a moved target may be named)
     checkpoints/<step> orbax: {params, opt_state} of the drafter only + data-iterator state
     metrics.jsonl      train steps and evals (loss, ce, conf_bce, accept_k, conf_k per position)
+    tensorboard/       the same records as TensorBoard scalars
     eval.json          the final evaluation
+
+The optimizer, its schedule and the state's creation are the training stack's
+(`v41jax.dspark.train_state`): the state lives on the target's mesh in the shardings of its
+logical annotations, each batch is split over the mesh's data x fsdp axes (train.batch_size
+must divide), each process reads only its rows, and a stop on SIGTERM is agreed by every
+process (`v41jax.train.preemption`).
 
 Only the drafter's parameters are in the optimizer; the target's params enter the step as
 arguments under stop_gradient, so the backbone is bit-identical after training (tested).
@@ -31,9 +38,16 @@ import optax
 from flax import linen as nn
 
 from v41jax import config as config_lib
+from v41jax import sharding
 from v41jax.dspark.config import DrafterRunConfig, override_run_config
-from v41jax.dspark.drafter import Drafter, frozen_target
+from v41jax.dspark.drafter import frozen_target
 from v41jax.dspark.objective import drafter_loss, eval_metrics, sample_anchors, target_features
+from v41jax.dspark.train_state import (
+    drafter_optimizer,
+    drafter_state_fns,
+    drafter_variables,
+    restore_drafter_state,
+)
 from v41jax.train import load_run, run_identity
 from v41jax.train.checkpoint import Checkpointer
 
@@ -127,56 +141,36 @@ def load_drafter_config(workdir: str) -> tuple[DrafterRunConfig, dict]:
 
 def init_drafter_params(cfg: DrafterRunConfig, target_cfg, frozen, seed: int):
     """Initial drafter params (plain tree) for a target of `target_cfg`."""
-    layer_ids = cfg.drafter.layer_ids_for(target_cfg.num_layers)
-    f = len(layer_ids) * target_cfg.d_model
-    variables = Drafter(cfg.drafter, target_cfg).init(
-        jax.random.key(seed),
-        frozen,
-        jnp.zeros((1, 2, f), jnp.float32),
-        jnp.arange(2, dtype=jnp.int32)[None],
-        jnp.ones((1, 2), bool),
-        jnp.zeros((1, 1), jnp.int32),
-        jnp.ones((1, 1), jnp.int32),
-    )
+    variables = drafter_variables(cfg, target_cfg, frozen, jax.random.key(seed))
     return nn.unbox(variables["params"])
 
 
-def _optimizer(cfg: DrafterRunConfig) -> optax.GradientTransformation:
-    t = cfg.train
-    warmup = min(t.warmup_steps, max(t.steps - 1, 0))
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, t.lr, warmup, max(t.steps, warmup + 1), t.lr * 0.1
-    )
-    chain = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
-    chain.append(optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=t.weight_decay))
-    return optax.chain(*chain)
-
-
-def make_update(cfg: DrafterRunConfig, target_cfg):
-    """(optimizer, jitted update(state, frozen, feats, logits, batch, anchors) -> (state,
-    metrics)): one optimizer step of the drafter on a frozen-target pass's features and
-    logits (`target_features`)."""
-    opt = _optimizer(cfg)
+def make_update(cfg: DrafterRunConfig, target_cfg, optimizer, state_shardings=None, mesh=None):
+    """Jitted update(state, frozen, feats, logits, batch, anchors) -> (state, metrics): one
+    `optimizer` step of the drafter on a frozen-target pass's features and logits
+    (`target_features`); the new state in `state_shardings` on `mesh` when given
+    (`drafter_state_fns`), the metrics replicated."""
     loss_fn = functools.partial(
         drafter_loss, drafter=cfg.drafter, target_cfg=target_cfg, train=cfg.train
     )
+    out = None if state_shardings is None else (state_shardings, sharding.replicated(mesh))
 
-    @jax.jit
     def update(state, frozen, feats, logits, batch, anchors):
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         (_, metrics), grads = grad_fn(state["params"], frozen, feats, logits, batch, anchors)
-        updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
+        updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics["grad_norm"] = optax.tree.norm(grads)
         return {"params": params, "opt_state": opt_state}, metrics
 
-    return opt, update
+    return jax.jit(update) if out is None else jax.jit(update, out_shardings=out)
 
 
-def make_train_step(cfg: DrafterRunConfig, target_cfg, layer_ids):
+def make_train_step(cfg: DrafterRunConfig, target_cfg, layer_ids, params):
     """(optimizer, step(state, target_params, frozen, batch, anchors)): the frozen-target
-    pass then `make_update`'s step, for one drafter."""
-    opt, update = make_update(cfg, target_cfg)
+    pass then `make_update`'s step, for one drafter with `params`' tree."""
+    optimizer = drafter_optimizer(cfg, params)
+    update = make_update(cfg, target_cfg, optimizer)
     features = jax.jit(functools.partial(target_features, target_cfg=target_cfg,
                                          layer_ids=tuple(layer_ids)))  # fmt: skip
 
@@ -184,7 +178,7 @@ def make_train_step(cfg: DrafterRunConfig, target_cfg, layer_ids):
         feats, logits = features(target_params, batch=batch)
         return update(state, frozen, feats, logits, batch, anchors)
 
-    return opt, step
+    return optimizer, step
 
 
 def _anchors_at(seed: int, step: int, batch_size: int, seq_len: int, n: int) -> np.ndarray:
@@ -257,8 +251,7 @@ def load_drafter(workdir: str, step: int | None = None, *, target=None, check: b
     if check:
         check_target(workdir, record, target)
     frozen = frozen_target(target.params, target.cfg.model)
-    params = init_drafter_params(cfg, target.cfg.model, frozen, 0)
-    state = {"params": params, "opt_state": _optimizer(cfg).init(params)}
+    _, _, _, abstract = drafter_state_fns(cfg, target.cfg.model, frozen, target.mesh)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     step = ckpt.latest_step() if step is None else step
     if step is None or step not in ckpt.all_steps():
@@ -267,8 +260,7 @@ def load_drafter(workdir: str, step: int | None = None, *, target=None, check: b
             if step is not None
             else f"no drafter checkpoints in {ckpt.directory}: train the drafter first"
         )
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-    restored, _ = ckpt.restore(step, abstract)
+    restored, _ = restore_drafter_state(ckpt, step, abstract, cfg)
     ckpt.close()
     return cfg, restored["params"], {**record, "step": step}
 

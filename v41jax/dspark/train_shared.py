@@ -21,6 +21,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from tqdm.auto import tqdm
 
@@ -30,10 +31,15 @@ from v41jax.dspark import train as T
 from v41jax.dspark.config import DrafterRunConfig
 from v41jax.dspark.drafter import frozen_target
 from v41jax.dspark.objective import target_features
+from v41jax.dspark.train_state import drafter_state_fns, restore_drafter_state
+from v41jax.sharding import batch_shards
 from v41jax.train import load_run, run_identity
 from v41jax.train.batches import add_engram_ids
 from v41jax.train.checkpoint import Checkpointer, StopSignal
 from v41jax.train.metrics import MetricsWriter
+from v41jax.train.observe import TensorBoard
+from v41jax.train.preemption import AgreedStop
+from v41jax.train.step import device_batch
 
 # What fixes the batch and anchors: drafters sharing a target pass must agree on these.
 SHARED_FIELDS = ("seed", "batch_size", "anchors_per_seq", "data_paths")
@@ -49,6 +55,7 @@ class _Run:
     update: object
     ckpt: Checkpointer
     writer: MetricsWriter
+    board: TensorBoard
     start: int
     result: dict
     data_state: dict | None
@@ -88,18 +95,25 @@ def _open_run(cfg, workdir, target, record, resuming, init_from, frozen) -> _Run
     if start >= cfg.train.steps and os.path.exists(os.path.join(workdir, "eval.json")):
         ckpt.close()
         return None
-    opt, update = T.make_update(cfg, tcfg.model)
-    if init_from:
-        params = T.load_drafter(init_from, target=target, check=False)[1]
-    else:
-        params = T.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed)
-    state = {"params": params, "opt_state": opt.init(params)}
+    opt, new_state, shardings, abstract = drafter_state_fns(cfg, tcfg.model, frozen, target.mesh)
+    update = T.make_update(cfg, tcfg.model, opt, shardings, target.mesh)
     data_state = None
     if start:
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-        state, data_state = ckpt.restore(start, abstract)
-    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_step=start)
-    return _Run(cfg, workdir, state, update, ckpt, writer, start, {"step": start}, data_state)
+        state, data_state = restore_drafter_state(ckpt, start, abstract, cfg)
+    elif init_from:
+        state = new_state(T.load_drafter(init_from, target=target, check=False)[1])
+    else:
+        state = new_state(T.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed))
+    main = jax.process_index() == 0
+    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
+    board = TensorBoard(os.path.join(workdir, "tensorboard"), start, enabled=main)
+    return _Run(cfg, workdir, state, update, ckpt, writer, board, start, {"step": start},
+                data_state)  # fmt: skip
+
+
+def _log(r: _Run, record: dict) -> None:
+    r.writer.write(record)
+    r.board.write(record)
 
 
 def train_drafters(
@@ -137,19 +151,26 @@ def train_drafters(
     if shared.data_paths:  # other text (e.g. the target's own samples), not its token dir
         data_cfg = dataclasses.replace(data_cfg, paths=tuple(shared.data_paths), token_dir="")
     data = load_data(data_cfg, show_progress=progress, tokenizer=target.tokenizer)
-    seq_len = tcfg.data.seq_len
+    seq_len, mesh = tcfg.data.seq_len, target.mesh
+    if shared.batch_size % batch_shards(mesh):
+        raise ValueError(
+            f"train.batch_size={shared.batch_size} is not divisible by the target mesh's "
+            f"data x fsdp = {batch_shards(mesh)} batch shards"
+        )
+    pi, pc = jax.process_index(), jax.process_count()
     it = BatchIterator(
-        data.train_tokens, data.train_segments, seq_len, shared.batch_size, seed=shared.seed
+        data.train_tokens, data.train_segments, seq_len, shared.batch_size, shared.seed, pi, pc
     )
+    rows = slice(pi * it.per_process_batch_size, (pi + 1) * it.per_process_batch_size)
     for r in runs:
         if r.data_state is not None:
             it.restore(r.data_state)  # refuses data that changed under a resumed run
-    prepare = lambda b: {
-        k: jnp.asarray(v) for k, v in add_engram_ids(b, data.compression, tcfg.model).items()
-    }
+    prepare = lambda b: device_batch(mesh, add_engram_ids(b, data.compression, tcfg.model))
     val_sets: dict[int, list] = {}
     for n in {r.cfg.train.eval_batches for r in runs}:  # too little held-out text fails now,
-        raw = eval_batches(data.val_tokens, data.val_segments, seq_len, shared.batch_size, n)
+        raw = eval_batches(
+            data.val_tokens, data.val_segments, seq_len, shared.batch_size, n, pi, pc
+        )
         val_sets[n] = [prepare(b) for b in raw]  # not after the last step
 
     def evaluate(r: _Run) -> dict:
@@ -162,39 +183,44 @@ def train_drafters(
     start, end = min(r.start for r in runs), max(r.cfg.train.steps for r in runs)
     bar = tqdm(total=end, initial=start, disable=not progress, desc="drafters")
     t0 = time.perf_counter()
-    with StopSignal() as stop:
+    with StopSignal() as signals:
+        stop = AgreedStop(signals)  # on several processes: agreed, so all stop at one step
         for step in range(start, end):
             todo = [r for r in runs if r.start <= step < r.cfg.train.steps]
             if not todo:  # every run is further along (resumed at different steps)
                 continue
-            batch = prepare(it.batch_at(step))
+            # the anchors of this process's rows, sharded like the batch
+            n = shared.anchors_per_seq
+            anchors = T._anchors_at(shared.seed, step, shared.batch_size, seq_len, n)[rows]
+            anchors = anchors.astype(np.int32)
+            batch = prepare({**it.batch_at(step), "anchors": anchors})
+            anchors = batch.pop("anchors")
             feats, logits = features(target_params, batch=batch)
-            anchors = jnp.asarray(
-                T._anchors_at(shared.seed, step, shared.batch_size, seq_len, shared.anchors_per_seq)
-            )
             it.step = done = step + 1
+            stopping = stop(done)
             for r in todo:
                 mine = _select(feats, layers, r.cfg.drafter.layer_ids_for(tcfg.model.num_layers))
                 r.state, metrics = r.update(r.state, frozen, mine, logits, batch, anchors)
                 c = r.cfg.train
                 if done % c.log_every == 0 or done == c.steps:
                     rec = {"step": done, **T._flat(metrics), "wall_s": time.perf_counter() - t0}
-                    r.writer.write(rec)
+                    _log(r, rec)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
                 if done == c.steps or (c.eval_every and done % c.eval_every == 0):
                     r.result = {"step": done, **evaluate(r)}
-                    r.writer.write(r.result)
-                if done % c.checkpoint_every == 0 or done == c.steps or stop.received is not None:
+                    _log(r, r.result)
+                if done % c.checkpoint_every == 0 or done == c.steps or stopping:
                     r.ckpt.save(done, r.state, it.state())
-                if stop.received is not None:
+                if stopping:
                     r.result = {"step": done, "stopped": True}
             bar.update(1)
-            if stop.received is not None:
+            if stopping:
                 break
     bar.close()
     for r in runs:
         r.ckpt.close()
-        if not r.result.get("stopped"):
+        r.board.close()
+        if not r.result.get("stopped") and jax.process_index() == 0:
             with open(os.path.join(r.workdir, "eval.json"), "w") as f:
                 json.dump(r.result, f, indent=2)
         results[r.workdir] = r.result

@@ -101,13 +101,18 @@ class Checkpointer:
         shardings = jax.tree.map(lambda x: x.sharding, abstract_state)
         return jax.device_put(converted, shardings), data
 
-    def _saved_params(self, step: int) -> Any:
-        """The saved state's metadata tree under "params" (None when unreadable)."""
+    def saved_tree(self, step: int) -> Any:
+        """The saved state's metadata tree (nested dicts and lists of array metadata, the
+        structure orbax wrote), or None when unreadable."""
         try:
             meta = self.manager.item_metadata(step)["state"]
         except Exception:  # no metadata: restore as usual, orbax reports any mismatch
             return None
-        tree = getattr(meta, "tree", meta)
+        return getattr(meta, "tree", meta)
+
+    def _saved_params(self, step: int) -> Any:
+        """The saved state's metadata tree under "params" (None when unreadable)."""
+        tree = self.saved_tree(step)
         return tree.get("params") if isinstance(tree, dict) else getattr(tree, "params", None)
 
     def restore_host_tables(self, step: int, like: Any) -> Any:
