@@ -93,6 +93,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     tie_embeddings: bool = True
+    attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim of q and k before RoPE (Qwen3)
     compute_dtype: str = "float32"  # activations and matmuls
     param_dtype: str = "float32"  # stored params (fp32 master weights with bf16 compute)
     segment_mask: bool = True  # packed documents do not attend to each other

@@ -27,7 +27,7 @@ from v41jax.kernels.attention import (  # noqa: F401 (re-exported for model user
     causal_attention,
     make_attention_mask,
 )
-from v41jax.model.layers import apply_rope, normal_init
+from v41jax.model.layers import RMSNorm, apply_rope, normal_init
 from v41jax.model.remat import KEY_PROJ, QUERY_PROJ, VALUE_PROJ, tag
 
 Dtype = Any
@@ -55,8 +55,10 @@ class Attention(nn.Module):
     """Multi-head / grouped-query self-attention with RoPE and an optional KV cache.
 
     Params: `q` [D, H, K] (embed, heads, head_dim); `k`, `v` [D, G, K] (embed, kv_heads,
-    head_dim); `o` [H, K, D] (heads, head_dim, embed).
-    `y = attend(rope(x Wq), rope(x Wk), x Wv, layout) Wo` with `impl` one of
+    head_dim); `o` [H, K, D] (heads, head_dim, embed); with `qkv_bias` also `q_bias` [H, K],
+    `k_bias`, `v_bias` [G, K] (Qwen2); with `qk_norm` RMSNorms `q_norm`, `k_norm` (scale
+    [K]) over each head's q and k before RoPE (Qwen3).
+    `y = attend(rope(n(x Wq + bq)), rope(n(x Wk + bk)), x Wv + bv, layout) Wo` with `impl` one of
     `v41jax.config.ATTENTION_IMPLS` (see `v41jax.kernels.attention.api`). The default
     "auto" picks by the platform the program is lowered for: blockwise (flash-style XLA,
     memory linear in T) on CPU, cuDNN flash attention on CUDA for bf16/fp16 without packed
@@ -75,6 +77,9 @@ class Attention(nn.Module):
     param_dtype: Dtype = jnp.float32
     impl: str = "auto"
     block_size: int = 512
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
 
     @nn.compact
     def __call__(
@@ -104,6 +109,17 @@ class Attention(nn.Module):
         q_BxTxHxK = tag(jnp.einsum("btd,dhk->bthk", x, w_q.astype(self.dtype)), QUERY_PROJ)
         k_BxTxGxK = tag(jnp.einsum("btd,dgk->btgk", x, w_k.astype(self.dtype)), KEY_PROJ)
         v_BxTxGxK = tag(jnp.einsum("btd,dgk->btgk", x, w_v.astype(self.dtype)), VALUE_PROJ)
+        if self.qkv_bias:
+            zeros = lambda axes: nn.with_logical_partitioning(nn.initializers.zeros, axes)  # noqa: E731
+            b_q = self.param("q_bias", zeros(("heads", "head_dim")), (h, k), pd)
+            b_k = self.param("k_bias", zeros(("kv_heads", "head_dim")), (g, k), pd)
+            b_v = self.param("v_bias", zeros(("kv_heads", "head_dim")), (g, k), pd)
+            q_BxTxHxK = q_BxTxHxK + b_q.astype(self.dtype)
+            k_BxTxGxK = k_BxTxGxK + b_k.astype(self.dtype)
+            v_BxTxGxK = v_BxTxGxK + b_v.astype(self.dtype)
+        if self.qk_norm:
+            q_BxTxHxK = RMSNorm(self.norm_eps, pd, name="q_norm")(q_BxTxHxK)
+            k_BxTxGxK = RMSNorm(self.norm_eps, pd, name="k_norm")(k_BxTxGxK)
         q_BxTxHxK = apply_rope(q_BxTxHxK, positions_BxT, self.rope_theta)
         k_BxTxGxK = apply_rope(k_BxTxGxK, positions_BxT, self.rope_theta)
         q_BxTxHxK = nn.with_logical_constraint(q_BxTxHxK, ("batch", "length", "act_heads", None))

@@ -187,6 +187,9 @@ class Block(nn.Module):
             param_dtype=param_dtype,
             impl=c.attention_impl,
             block_size=c.attention_block_size,
+            qkv_bias=c.attention_bias,
+            qk_norm=c.qk_norm,
+            norm_eps=c.norm_eps,
         )
         self.ffn_norm = norm()
         self.ffn = make_ffn(c, self.ffn_kind)

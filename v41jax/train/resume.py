@@ -130,12 +130,20 @@ def reconcile(saved: Config, new: Config, latest_step: int | None, workdir: str)
     return new, shown + notes
 
 
+# Model fields added after runs were recorded by identity (drafters record their target's):
+# at these defaults they are left out of the hash, so such records stay valid.
+ADDED_MODEL_FIELDS = {"attention_bias": False, "qk_norm": False}
+
+
 def run_identity(cfg: Config) -> str:
     """A hash of what defines a run's trained function: its config less the fields a rerun
     may change (RESUMABLE_FIELDS, generate.*) and the mesh. Two workdirs with the same hash
     are the same model trained on the same data, possibly for different numbers of steps (a
     drafter records its target's, `v41jax.dspark.train`)."""
     tree = config_lib.to_dict(cfg)
+    for key, default in ADDED_MODEL_FIELDS.items():  # absent from older runs' hashes
+        if tree["model"].get(key) == default:
+            del tree["model"][key]
     for key in (*RESUMABLE_FIELDS, "generate", "mesh"):
         *sections, leaf = key.split(".")
         node = tree
