@@ -22,6 +22,7 @@ LAYERS = [
     "speculative",
     "model",
     "train",
+    "hf",
     "dspark",
     "sweep",
     "bench",
