@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-from tokenizers import Regex, normalizers
 
 from v41jax.data.compression import (
     CompressionTable,
@@ -45,32 +44,27 @@ def table(tok):
     ],
 )
 def test_normalize_token_text(text, want):
-    assert normalize_token_text(text) == want
+    assert normalize_token_text(text) == want == _handwritten_normalize(text)
 
 
-def _reference_normalizer():
-    """The `tokenizers` normaliser sequence of the public engram_demo_v1.py (independent check)."""
-    sentinel = "\ue000"
-    return normalizers.Sequence(
-        [
-            normalizers.NFKC(),
-            normalizers.NFD(),
-            normalizers.StripAccents(),
-            normalizers.Lowercase(),
-            normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-            normalizers.Replace(Regex(r"^ $"), sentinel),
-            normalizers.Strip(),
-            normalizers.Replace(sentinel, " "),
-        ]
-    )
+def _handwritten_normalize(text):
+    """The plain-Python normalisation v41jax used before the `tokenizers` pipeline (and an
+    independent check of it): unicodedata NFKC, NFD, drop Mn marks, lower, collapse runs of
+    space/tab/CR/LF, strip unless exactly " "."""
+    import re
+    import unicodedata
+
+    text = unicodedata.normalize("NFD", unicodedata.normalize("NFKC", text))
+    text = "".join(c for c in text if unicodedata.category(c) != "Mn").lower()
+    text = re.sub(r"[ \t\r\n]+", " ", text)
+    return text if text == " " else text.strip()
 
 
 def _reference_table(tok):
-    norm = _reference_normalizer()
     key_to_id, out = {}, []
     for i in range(tok.vocab_size):
         text = tok.decode([i])
-        key = tok.id_to_token(i) if "\ufffd" in text else (norm.normalize_str(text) or text)
+        key = tok.id_to_token(i) if "\ufffd" in text else (_handwritten_normalize(text) or text)
         out.append(key_to_id.setdefault(key, len(key_to_id)))
     return np.array(out, np.int32), len(key_to_id)
 
@@ -145,3 +139,68 @@ def test_full_sotu_4096_reduction(sotu_texts):
     reduction = 1 - table.compressed_vocab_size / tok.vocab_size
     print(f"sotu 4096: compressed vocab {table.compressed_vocab_size} ({reduction:.1%} fewer)")
     assert table.compressed_vocab_size < 0.95 * tok.vocab_size
+
+
+def _sentencepiece_style(texts):
+    """A SentencePiece-style tokenizer (Metaspace "▁" word boundaries, byte fallback, eos
+    "</s>"), trained here with `tokenizers` as Llama/Mistral-style tokenizers are built."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from v41jax.data.tokenizer import Tokenizer
+
+    tok = tokenizers.Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(),
+                                     decoders.Fuse()])  # fmt: skip
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=900, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(tok, eos_token="</s>")
+
+
+def test_a_sentencepiece_style_tokenizer_compresses_too(sotu_texts):
+    tok = _sentencepiece_style(sotu_texts[:8])
+    assert tok.eos_id == 2
+    table = build_compression_table(tok)
+    ref, ref_size = _reference_table(tok)
+    np.testing.assert_array_equal(ref, table.table)
+    assert ref_size == table.compressed_vocab_size < 0.97 * tok.vocab_size
+    ids = {tok.id_to_token(i): i for i in range(tok.vocab_size)}
+    pairs = [(w, w.lower()) for w in ("▁The", "▁And", "▁We") if w in ids and w.lower() in ids]
+    assert pairs
+    for a, b in pairs:  # "▁The" and "▁the" are one canonical id
+        assert table.table[ids[a]] == table.table[ids[b]]
+    fallback = [ids[f"<0x{b:02X}>"] for b in range(0x80, 0x100)]  # lone bytes stay apart
+    assert len(set(table.table[fallback].tolist())) == len(fallback)
+
+
+def test_a_byte_level_tokenizer_of_another_vocabulary(sotu_texts):
+    """Byte-level BPE as GPT-2 / Llama-3 / Qwen build it ("Ġ" spaces), a larger vocabulary."""
+    tok = train_tokenizer(sotu_texts[8:20], 2048)
+    table = build_compression_table(tok)
+    ref, ref_size = _reference_table(tok)
+    np.testing.assert_array_equal(ref, table.table)
+    ids = {tok.id_to_token(i): i for i in range(tok.vocab_size)}
+    assert table.table[ids["ĠThe"]] == table.table[ids["Ġthe"]]
+    assert table.compressed_vocab_size < 0.95 * tok.vocab_size
+
+
+def test_a_foreign_tokenizer_keeps_its_eos_through_save_and_load(sotu_texts, tmp_path):
+    """Saved as Hugging Face does it: tokenizer.json + tokenizer_config.json naming the eos."""
+    import json
+
+    from v41jax.data.tokenizer import Tokenizer
+
+    tok = _sentencepiece_style(sotu_texts[:2])
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    with open(tmp_path / "tokenizer_config.json") as f:
+        assert json.load(f) == {"eos_token": "</s>"}
+    again = Tokenizer.load(path)
+    assert again.eos_id == tok.eos_id == 2 and again.content_hash == tok.content_hash
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<s>"}}))
+    assert Tokenizer.load(path).eos_id == 1  # HF's AddedToken form
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|none|>"}))
+    with pytest.raises(ValueError, match="<\\|none\\|>"):
+        Tokenizer.load(path)

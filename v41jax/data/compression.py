@@ -2,22 +2,21 @@
 
 Tokens that differ only in case, accents, Unicode compatibility form or surrounding whitespace
 ("ĠThe", "the", "THE") get one canonical id, so the hashed n-gram tables see fewer distinct
-n-grams (Cheng et al., arXiv 2601.07372; the public `engram_demo_v1.py` builds the same table
-with a `tokenizers` normaliser sequence, which `tests/data/test_data_compression.py` cross-checks).
+n-grams (Cheng et al., arXiv 2601.07372). The normalisation is the public Engram demo's
+`tokenizers.normalizers` sequence; it works for any tokenizer `Tokenizer` wraps (byte-level
+BPE, SentencePiece-style Metaspace): a token's key is the normalised text it decodes to.
 """
 
 from __future__ import annotations
 
-import re
-import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
+from tokenizers import Regex, normalizers
 
 from v41jax.data.corpus import atomic_write
 from v41jax.data.tokenizer import Tokenizer
 
-_WHITESPACE_RUN = re.compile(r"[ \t\r\n]+")
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -58,17 +57,21 @@ class CompressionTable:
             return cls(f["table"].astype(np.int32), int(f["compressed_vocab_size"]))
 
 
+# The Engram demo's normaliser pipeline, from `tokenizers` itself: NFKC, NFD, strip accents,
+# lowercase, collapse space/tab/CR/LF runs to one space; then Strip, except that a text that
+# is exactly " " stays " " (the demo keeps the space token apart from the empty string).
+_NORMALIZER = normalizers.Sequence([
+    normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+    normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+])  # fmt: skip
+_STRIP = normalizers.Strip()
+
+
 def normalize_token_text(text: str) -> str:
-    """The Engram demo's normalisation: NFKC, NFD, strip accents (Mn marks), lowercase, collapse
-    space/tab/CR/LF runs to one space, strip (a text that is exactly " " stays " ")."""
-    text = unicodedata.normalize("NFKC", text)
-    text = unicodedata.normalize("NFD", text)
-    text = "".join(c for c in text if unicodedata.category(c) != "Mn")
-    text = text.lower()
-    text = _WHITESPACE_RUN.sub(" ", text)
-    if text == " ":
-        return text
-    return text.strip()
+    """The Engram demo's normalisation of one token's text (`_NORMALIZER`, then Strip unless
+    the text is exactly " ")."""
+    text = _NORMALIZER.normalize_str(text)
+    return text if text == " " else _STRIP.normalize_str(text)
 
 
 def token_key(tokenizer: Tokenizer, token_id: int) -> str:

@@ -4,11 +4,15 @@ GPT-2 style: ByteLevel pre-tokenizer (no prefix space) and ByteLevel decoder, no
 `decode(encode(text)) == text` for any Unicode text. Id 0 is `<|endoftext|>`, the end-of-document
 (and padding) token. A literal "<|endoftext|>" inside a document is encoded as ordinary text, not
 as the special id, so document boundaries come only from the data pipeline.
+
+`Tokenizer` also wraps any Hugging Face `tokenizer.json` (a pretrained model's): its
+end-of-document token is the one its `tokenizer_config.json` names, wherever its id is.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable, Sequence
 
@@ -19,6 +23,7 @@ from v41jax.data.corpus import atomic_write, resolve_cache_dir
 
 EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0
+TOKENIZER_CONFIG = "tokenizer_config.json"  # Hugging Face's name; holds "eos_token"
 NUM_BYTES = 256
 MIN_VOCAB_SIZE = NUM_BYTES + 1  # every byte + <|endoftext|>
 # Bump when training settings change so old cache files are not reused.
@@ -26,12 +31,16 @@ _CACHE_VERSION = "bpe-v1"
 
 
 class Tokenizer:
-    """A trained byte-level BPE tokenizer; a thin wrapper over `tokenizers.Tokenizer`."""
+    """A thin wrapper over `tokenizers.Tokenizer`: v41jax's own byte-level BPE (eos
+    `<|endoftext|>` at id 0) or any Hugging Face `tokenizer.json`, whose end-of-document token
+    `eos_token` names (`load` reads it from a `tokenizer_config.json` beside the file, the
+    Hugging Face convention, as `save` writes it)."""
 
-    def __init__(self, tok: tokenizers.Tokenizer):
-        eos = tok.token_to_id(EOS_TOKEN)
-        if eos != EOS_ID:
-            raise ValueError(f"tokenizer must have {EOS_TOKEN!r} at id {EOS_ID}, found id {eos}")
+    def __init__(self, tok: tokenizers.Tokenizer, eos_token: str = EOS_TOKEN):
+        eos = tok.token_to_id(eos_token)
+        if eos is None:
+            raise ValueError(f"tokenizer has no eos token {eos_token!r} in its vocabulary")
+        self.eos_token, self._eos_id = eos_token, eos
         # Not serialised by `tokenizers`, so set on every construction: special-token text in a
         # document stays text (see module docstring).
         tok.encode_special_tokens = True
@@ -44,7 +53,7 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int:
-        return EOS_ID
+        return self._eos_id
 
     @property
     def content_hash(self) -> str:
@@ -83,14 +92,27 @@ class Tokenizer:
         return token
 
     def save(self, path: str) -> None:
-        """Write the tokenizer JSON atomically (a reader never sees a half-written file)."""
+        """Write the tokenizer JSON atomically (a reader never sees a half-written file), and
+        a tokenizer_config.json naming the eos token beside it when it is not v41jax's."""
         atomic_write(path, self._tok.save)
+        if self.eos_token != EOS_TOKEN:
+            side = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG)
+            text = json.dumps({"eos_token": self.eos_token})
+            atomic_write(side, lambda tmp: open(tmp, "w").write(text))  # noqa: SIM115
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:
+        """A tokenizer.json; its eos token from a tokenizer_config.json beside it (its
+        "eos_token", a string or {"content": ...}), else `<|endoftext|>`."""
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
-        return cls(tokenizers.Tokenizer.from_file(path))
+        eos = EOS_TOKEN
+        side = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG)
+        if os.path.isfile(side):
+            with open(side) as f:
+                named = json.load(f).get("eos_token") or EOS_TOKEN
+            eos = named["content"] if isinstance(named, dict) else str(named)
+        return cls(tokenizers.Tokenizer.from_file(path), eos)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, hash={self.content_hash[:12]})"
