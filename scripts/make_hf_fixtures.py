@@ -25,7 +25,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 OUT = os.path.join(os.path.dirname(__file__), "..", "tests", "fixtures", "hf")
-COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+COMMON = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
               rms_norm_eps=1e-6, max_position_embeddings=64)  # fmt: skip
 FAMILIES = {
     "llama": (

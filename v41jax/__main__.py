@@ -10,6 +10,8 @@
     python -m v41jax plan --config 1b --mesh data=1,fsdp=8,tensor=1 --platform tpu  # will it fit?
     python -m v41jax sweep experiments/engram_vs_ffn/config.py --setting mini
     python -m v41jax report experiments/engram_vs_ffn
+    python -m v41jax import-hf path/to/Qwen3-0.6B --workdir runs/qwen3  # then eval, generate ...
+    python -m v41jax export-hf --workdir runs/qwen3 --out exported/ --family qwen3
 
 `--config` is a named config (`v41jax/configs/<name>.py`) or a path to a Python file with
 `get_config()`; each `--set section.field=value` overrides one field, parsed by its type.
@@ -23,6 +25,7 @@ import os
 import sys
 
 from v41jax import config as config_lib
+from v41jax.hf import cli as hf_cli
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -351,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", action="store_true", help="do not print the tables")
     p.set_defaults(func=cmd_report)
+    hf_cli.add_parsers(sub)
     return parser
 
 
@@ -363,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, KeyError, FileNotFoundError) as e:
+    except (ValueError, KeyError, FileNotFoundError, FileExistsError) as e:
         # Config and input errors: one clear line, not a traceback.
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"error: {msg}", file=sys.stderr)

@@ -218,9 +218,11 @@ def _require(ok: bool, msg: str) -> None:
 def validate(cfg: Config) -> None:
     """Raise ValueError naming the offending field and value for an inconsistent config."""
     m, d, t, o = cfg.model, cfg.data, cfg.train, cfg.optim
+    # equal for a model trained here; an imported one may pad its embedding past its
+    # tokenizer (Qwen: 151936 rows, 151665 tokens), never the other way
     _require(
-        m.vocab_size == d.vocab_size,
-        f"model.vocab_size={m.vocab_size} != data.vocab_size={d.vocab_size}; set both",
+        m.vocab_size >= d.vocab_size,
+        f"model.vocab_size={m.vocab_size} < data.vocab_size={d.vocab_size}; set both",
     )
     for name in ("d_model", "num_layers", "num_heads", "num_kv_heads", "d_ff", "max_seq_len"):
         _require(getattr(m, name) > 0, f"model.{name}={getattr(m, name)} must be > 0")

@@ -31,7 +31,7 @@ def prepare(cfg: Config, workdir: epath.Path, progress: bool) -> PreparedData:
     source = workdir if (workdir / "tokenizer.json").exists() else init_from
     tokenizer = load_tokenizer(source) if source else None
     data = load_data(cfg.data, show_progress=progress, tokenizer=tokenizer)  # or token_dir
-    if data.tokenizer.vocab_size != cfg.model.vocab_size:
+    if data.tokenizer.vocab_size > cfg.model.vocab_size:  # more embedding rows may pad it
         where = f" (the tokenizer of {os.fspath(source)})" if source else ""
         raise ValueError(
             f"tokenizer has {data.tokenizer.vocab_size} tokens{where} but "

@@ -60,10 +60,13 @@ def load_run(
     cfg = load_config(path)
     tokenizer = load_tokenizer(workdir)
     compression = load_compression(workdir)
-    if tokenizer.vocab_size != cfg.model.vocab_size:  # e.g. a file copied from another run
+    # an imported model's embedding may have more rows than its tokenizer has tokens (Qwen
+    # pads them), never fewer; v41jax's own runs have them equal (data.vocab_size)
+    if tokenizer.vocab_size != cfg.data.vocab_size or tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(
             f"{workdir}: tokenizer.json has {tokenizer.vocab_size} tokens but the run's "
-            f"model.vocab_size={cfg.model.vocab_size}; the workdir's files are inconsistent"
+            f"data.vocab_size={cfg.data.vocab_size}, model.vocab_size={cfg.model.vocab_size}; "
+            "the workdir's files are inconsistent"
         )
     mesh = make_mesh(cfg.mesh)
     model, _, _, shardings, abstract = make_state_fns(cfg, mesh)
