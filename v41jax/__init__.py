@@ -2,7 +2,7 @@
 
 Subpackages import one way, each only from those before it (tests/test_architecture.py):
 ops -> config, sharding -> data -> kernels -> engram -> mhc -> speculative -> model -> train ->
-dspark -> sweep -> bench. `ops` holds the shared numerical primitives; `config` is plain
+hf -> dspark -> sweep -> bench. `ops` holds the shared numerical primitives; `config` is plain
 Python (no jax), so `import v41jax.config` stays cheap.
 
 The public API below (`__all__`) is lazy: `v41jax.Engram`, `v41jax.speculative_sample`, ...
