@@ -111,3 +111,26 @@ def test_fine_tuning_starts_from_the_imported_params(imported, tmp_path):
     moved = [float(jnp.abs(a - b).max()) for a, b in
              zip(jax.tree.leaves(run.params), jax.tree.leaves(after), strict=True)]  # fmt: skip
     assert 0 < max(moved) < 0.1  # one small step from the imported weights, not a fresh init
+
+
+def test_engram_attached_to_the_imported_model_starts_at_its_function(imported, tmp_path):
+    """--set model.engram.layer_ids=1 on a fine-tune of the imported model. After one step
+    at lr 1e-30 (the params stay where they started) the validation loss is the imported
+    model's: W_V starts at zero, so the Engram delta is 0. At the normal lr the memory
+    learns from the first step (W_V leaves zero)."""
+    from v41jax import config as config_lib
+    from v41jax.train import evaluate_run, train
+
+    _, workdir, _ = imported
+    base = load_run(workdir).cfg
+    sets = [f"train.init_from={workdir}", "train.steps=1", "train.eval_every=0",
+            "train.eval_batches=1", "model.engram.layer_ids=1",
+            "model.engram.engram_vocab_size=1009,1009"]  # fmt: skip
+    frozen = train(config_lib.override(base, [*sets, "optim.lr=1e-30"]), str(tmp_path / "a"),
+                   progress=False)  # fmt: skip
+    want = evaluate_run(workdir, num_batches=1)["val_loss"]
+    assert frozen["val_loss"] == pytest.approx(want, rel=1e-6, abs=1e-6)
+    train(config_lib.override(base, sets), str(tmp_path / "b"), progress=False)
+    w_v = [np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(
+        load_run(str(tmp_path / "b")).params)[0] if "w_v" in jax.tree_util.keystr(p)]  # fmt: skip
+    assert w_v and max(float(np.abs(x).max()) for x in w_v) > 0

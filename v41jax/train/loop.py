@@ -30,6 +30,7 @@ import time
 
 import jax
 import numpy as np
+from flax import traverse_util
 from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
@@ -163,10 +164,35 @@ def _init_source(cfg: Config) -> LoadedRun:
     # How the params are computed with (scan, remat, attention path) may differ; the params
     # themselves may not, except for their layer layout, which is converted.
     free = {k: getattr(cfg.model, k) for k in COMPUTE_ONLY_MODEL_FIELDS}
+    if not source.cfg.model.engram.enabled:  # Engram may be attached (attach_engram)
+        free["engram"] = cfg.model.engram
     source_model = dataclasses.replace(source.cfg.model, **free)
     if diffs := config_lib.diff(source_model, cfg.model):
         raise ValueError(f"train.init_from={cfg.train.init_from}: model differs {diffs}")
     return source
+
+
+def attach_engram(source_params: dict, fresh_params: dict) -> dict:
+    """Fine-tuning a model without Engram into one with it (`train.init_from` a run or an
+    imported checkpoint, `--set model.engram.layer_ids=...`): every param the source has is
+    the source's; the Engram params are the fresh init's, with the value projection W_V
+    (and b_V) zero, so the Engram delta v = alpha (e W_V + b_V) is 0 and the model computes
+    the source's function at step 0. The gradient of W_V (e^T alpha dL/dv) is not zero, so
+    the memory starts learning at once (as a LoRA B matrix does). Both trees in the new
+    model's layer layout."""
+    flat_src = traverse_util.flatten_dict(source_params)
+    fresh_flat = traverse_util.flatten_dict(fresh_params)
+    if extra := sorted("/".join(p) for p in flat_src if p not in fresh_flat):
+        raise ValueError(f"attach_engram: the new model has no param for {extra[:4]}")
+    out = {}
+    for path, fresh in fresh_flat.items():
+        if path in flat_src:
+            out[path] = flat_src[path]
+        elif "engram" in path:
+            out[path] = np.zeros_like(fresh) if path[-1] in ("w_v", "b_v") else fresh
+        else:
+            raise ValueError(f"attach_engram: the source has no param {'/'.join(path)}")
+    return traverse_util.unflatten_dict(out)
 
 
 def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> dict:
@@ -224,6 +250,8 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
         start, state = 0, init_fn(cfg.train.seed)
         if source is not None:  # fine-tuning: another run's params, a fresh optimizer
             params = convert_layout(source.params, layer_segments(cfg.model))
+            if cfg.model.engram.enabled and not source.cfg.model.engram.enabled:
+                params = attach_engram(params, jax.device_get(state.params))
             if uses_host_tables(cfg):  # the source's tables stay in host memory
                 source_tables = host_table_arrays(params)
                 params, _ = split_tables(params)
