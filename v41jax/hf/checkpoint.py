@@ -2,9 +2,11 @@
 `model.safetensors.index.json`) read into v41jax params and written back.
 
 Reading goes tensor by tensor (`safetensors.safe_open`, memory-mapped): each tensor is
-converted (`v41jax.hf.convert`) and, once a layer-stacked parameter is complete, placed
-into its sharding with `jax.make_array_from_callback`, so every device receives only its
-own slice; the host holds the parameters being assembled, never one copy per device.
+converted (`v41jax.hf.convert`), the layers are stacked into the config's layout, and each
+parameter is placed into its sharding with `jax.make_array_from_callback`, so every device
+receives only its own slice. The host holds one copy of the model while it is assembled
+(not one per device); reading a layer-stacked parameter straight from the files per shard
+would lower that to one parameter, and is not done yet.
 Writing is the inverse (one file per `max_shard_bytes`, an index when there are several).
 """
 
