@@ -98,7 +98,12 @@ class Tokenizer:
         if self.eos_token != EOS_TOKEN:
             side = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG)
             text = json.dumps({"eos_token": self.eos_token})
-            atomic_write(side, lambda tmp: open(tmp, "w").write(text))  # noqa: SIM115
+
+            def write(tmp: str) -> None:
+                with open(tmp, "w") as f:
+                    f.write(text)
+
+            atomic_write(side, write)
 
     @classmethod
     def load(cls, path: str) -> Tokenizer:

@@ -33,11 +33,14 @@ from v41jax.train.workdir import as_path, save_config, write_via_local
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
-def imported_config(hf_dir: str, base: str = "small", overrides: list[str] = ()) -> Config:
+def imported_config(
+    hf_dir: str, base: str = "small", overrides: list[str] = (), tok: Tokenizer | None = None
+) -> Config:
     """The run config of an HF model: `base`'s data/train/optim settings, the model from
-    config.json, data.vocab_size from the tokenizer, then `overrides` (`--set`)."""
+    config.json, data.vocab_size from the tokenizer (`tok`, default the directory's), then
+    `overrides` (`--set`)."""
     model = model_config_from_hf(read_hf_config(hf_dir))
-    tok = load_hf_tokenizer(hf_dir)
+    tok = tok or load_hf_tokenizer(hf_dir)
     if tok.vocab_size > model.vocab_size:
         raise ValueError(
             f"{hf_dir}: tokenizer.json has {tok.vocab_size} tokens, more than the model's "
@@ -63,8 +66,8 @@ def import_hf(hf_dir: str, workdir: str, base: str = "small", overrides: list[st
     out = as_path(workdir)
     if (out / "config.json").exists():
         raise FileExistsError(f"{workdir} already holds a run (config.json): choose a new one")
-    cfg = imported_config(hf_dir, base, overrides)
     tok = load_hf_tokenizer(hf_dir)
+    cfg = imported_config(hf_dir, base, overrides, tok)
     mesh = make_mesh(cfg.mesh)
     _, optimizer, _, shardings, _ = make_state_fns(cfg, mesh)
     params = load_hf_params(hf_dir, cfg.model, shardings.params)  # every check before writing

@@ -29,6 +29,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 from tqdm.auto import tqdm
@@ -189,7 +190,7 @@ def attach_engram(source_params: dict, fresh_params: dict) -> dict:
         if path in flat_src:
             out[path] = flat_src[path]
         elif "engram" in path:
-            out[path] = np.zeros_like(fresh) if path[-1] in ("w_v", "b_v") else fresh
+            out[path] = jnp.zeros_like(fresh) if path[-1] in ("w_v", "b_v") else fresh
         else:
             raise ValueError(f"attach_engram: the source has no param {'/'.join(path)}")
     return traverse_util.unflatten_dict(out)
@@ -251,7 +252,7 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
         if source is not None:  # fine-tuning: another run's params, a fresh optimizer
             params = convert_layout(source.params, layer_segments(cfg.model))
             if cfg.model.engram.enabled and not source.cfg.model.engram.enabled:
-                params = attach_engram(params, jax.device_get(state.params))
+                params = attach_engram(params, state.params)
             if uses_host_tables(cfg):  # the source's tables stay in host memory
                 source_tables = host_table_arrays(params)
                 params, _ = split_tables(params)
