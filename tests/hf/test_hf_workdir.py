@@ -134,3 +134,23 @@ def test_engram_attached_to_the_imported_model_starts_at_its_function(imported, 
     w_v = [np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(
         load_run(str(tmp_path / "b")).params)[0] if "w_v" in jax.tree_util.keystr(p)]  # fmt: skip
     assert w_v and max(float(np.abs(x).max()) for x in w_v) > 0
+
+
+def test_mhc_attached_to_the_imported_model_starts_at_its_function(imported, tmp_path):
+    """--set model.mhc.n_streams=4 on a fine-tune of the imported model: phi starts at zero,
+    so every stream stays the plain residual. After one step at lr 1e-30 the validation loss
+    is the imported model's: to float rounding in form single_pass (its readout normalises
+    H_pre X = h), and within the final norm's eps in form reference, whose readout is
+    RMSNorm(n h) (the fixture's activations have RMS ~0.02, where eps = 1e-6 shows)."""
+    from v41jax import config as config_lib
+    from v41jax.train import evaluate_run, train
+
+    _, workdir, _ = imported
+    base = load_run(workdir).cfg
+    want = evaluate_run(workdir, num_batches=1)["val_loss"]
+    for form, rel in (("single_pass", 1e-6), ("reference", 1e-4)):
+        sets = [f"train.init_from={workdir}", "train.steps=1", "train.eval_every=0",
+                "train.eval_batches=1", "model.mhc.n_streams=4", f"model.mhc.form={form}",
+                "optim.lr=1e-30"]  # fmt: skip
+        got = train(config_lib.override(base, sets), str(tmp_path / form), progress=False)
+        assert got["val_loss"] == pytest.approx(want, rel=rel), form

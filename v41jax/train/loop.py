@@ -29,15 +29,14 @@ import os
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import traverse_util
 from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
 from v41jax.config import Config
 from v41jax.data import BatchIterator, PreparedData, eval_batches, load_data
 from v41jax.model import convert_layout, layer_segments
+from v41jax.model.attach import attach_new_modules
 from v41jax.model.host_params import host_table_arrays
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train import run_files
@@ -165,35 +164,15 @@ def _init_source(cfg: Config) -> LoadedRun:
     # How the params are computed with (scan, remat, attention path) may differ; the params
     # themselves may not, except for their layer layout, which is converted.
     free = {k: getattr(cfg.model, k) for k in COMPUTE_ONLY_MODEL_FIELDS}
-    if not source.cfg.model.engram.enabled:  # Engram may be attached (attach_engram)
+    # Engram and mHC may be attached to a source without them (`attach_new_modules`)
+    if not source.cfg.model.engram.enabled:
         free["engram"] = cfg.model.engram
+    if not source.cfg.model.mhc.enabled:
+        free["mhc"] = cfg.model.mhc
     source_model = dataclasses.replace(source.cfg.model, **free)
     if diffs := config_lib.diff(source_model, cfg.model):
         raise ValueError(f"train.init_from={cfg.train.init_from}: model differs {diffs}")
     return source
-
-
-def attach_engram(source_params: dict, fresh_params: dict) -> dict:
-    """Fine-tuning a model without Engram into one with it (`train.init_from` a run or an
-    imported checkpoint, `--set model.engram.layer_ids=...`): every param the source has is
-    the source's; the Engram params are the fresh init's, with the value projection W_V
-    (and b_V) zero, so the Engram delta v = alpha (e W_V + b_V) is 0 and the model computes
-    the source's function at step 0. The gradient of W_V (e^T alpha dL/dv) is not zero, so
-    the memory starts learning at once (as a LoRA B matrix does). Both trees in the new
-    model's layer layout."""
-    flat_src = traverse_util.flatten_dict(source_params)
-    fresh_flat = traverse_util.flatten_dict(fresh_params)
-    if extra := sorted("/".join(p) for p in flat_src if p not in fresh_flat):
-        raise ValueError(f"attach_engram: the new model has no param for {extra[:4]}")
-    out = {}
-    for path, fresh in fresh_flat.items():
-        if path in flat_src:
-            out[path] = flat_src[path]
-        elif "engram" in path:
-            out[path] = jnp.zeros_like(fresh) if path[-1] in ("w_v", "b_v") else fresh
-        else:
-            raise ValueError(f"attach_engram: the source has no param {'/'.join(path)}")
-    return traverse_util.unflatten_dict(out)
 
 
 def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> dict:
@@ -251,8 +230,11 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
         start, state = 0, init_fn(cfg.train.seed)
         if source is not None:  # fine-tuning: another run's params, a fresh optimizer
             params = convert_layout(source.params, layer_segments(cfg.model))
-            if cfg.model.engram.enabled and not source.cfg.model.engram.enabled:
-                params = attach_engram(params, state.params)
+            src_model = source.cfg.model
+            if (cfg.model.engram.enabled and not src_model.engram.enabled) or (
+                cfg.model.mhc.enabled and not src_model.mhc.enabled
+            ):  # new Engram / mHC modules, started at the source's function
+                params = attach_new_modules(params, state.params)
             if uses_host_tables(cfg):  # the source's tables stay in host memory
                 source_tables = host_table_arrays(params)
                 params, _ = split_tables(params)
