@@ -165,6 +165,21 @@ def test_small_files_on_a_gs_workdir_without_append(gcs):
     tokenizer = train_tokenizer(["a few words of text to learn from"] * 20, vocab_size=260)
     workdir_lib.write_via_local(gcs / "tokenizer.json", tokenizer.save)
     assert load_tokenizer(gcs).encode("a few words") == tokenizer.encode("a few words")
+    # a Hugging Face tokenizer's eos lives in the tokenizer_config.json beside it
+    import tokenizers
+    from tokenizers import models, pre_tokenizers
+
+    from v41jax.data import Tokenizer
+
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(297)]
+    hf = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    other = epath.Path("gs://bucket/hf")
+    other.mkdir(parents=True, exist_ok=True)
+    workdir_lib.write_via_local(other / "tokenizer.json", Tokenizer(hf, "</s>").save)
+    assert json.loads((other / "tokenizer_config.json").read_text()) == {"eos_token": "</s>"}
+    loaded = load_tokenizer(other)
+    assert loaded.eos_token == "</s>" and loaded.eos_id == 2
 
     # orbax's notion of a complete step on GCS: its commit marker, not a rename
     assert latest_checkpoint_step(gcs) is None

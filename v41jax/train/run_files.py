@@ -12,12 +12,15 @@ from etils import epath
 
 from v41jax.config import Config
 from v41jax.data import CompressionTable, PreparedData, Tokenizer, load_data
+from v41jax.data.tokenizer import TOKENIZER_CONFIG
 from v41jax.train import workdir as workdir_lib
 from v41jax.train.resume import latest_checkpoint_step
 
 
 def load_tokenizer(run: epath.Path) -> Tokenizer:
-    return workdir_lib.read_via_local(run / "tokenizer.json", Tokenizer.load)
+    return workdir_lib.read_via_local(
+        run / "tokenizer.json", Tokenizer.load, companions=(TOKENIZER_CONFIG,)
+    )
 
 
 def load_compression(run: epath.Path) -> CompressionTable:

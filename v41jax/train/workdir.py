@@ -83,26 +83,34 @@ def append_line(path: epath.Path, line: str) -> None:
     write_text_atomic(path, old + line + "\n")
 
 
-def read_via_local(path: epath.Path, load: Callable[[str], Any]) -> Any:
+def read_via_local(
+    path: epath.Path, load: Callable[[str], Any], companions: tuple[str, ...] = ()
+) -> Any:
     """`load(name)` of a file that `load` reads by local name; a remote file is copied to
-    a local temporary file first."""
+    a local temporary directory first, with the `companions` beside it that exist (a
+    tokenizer.json's tokenizer_config.json, which names its eos token)."""
     if is_local(path):
         return load(os.fspath(path))
     with tempfile.TemporaryDirectory(prefix="v41jax-stage-") as tmp:
-        local = epath.Path(tmp) / path.name
-        local.write_bytes(path.read_bytes())
-        return load(os.fspath(local))
+        for name in (path.name, *companions):
+            if name == path.name or (path.parent / name).exists():
+                (epath.Path(tmp) / name).write_bytes((path.parent / name).read_bytes())
+        return load(os.fspath(epath.Path(tmp) / path.name))
 
 
 def write_via_local(path: epath.Path, save: Callable[[str], None]) -> None:
     """`save(name)` of a file that `save` writes by local name; a remote file is written
-    locally first and uploaded whole."""
+    into a local temporary directory first, and every file `save` wrote there (the file and
+    any side file beside it, as `Tokenizer.save`'s tokenizer_config.json) is uploaded whole,
+    the named file last."""
     if is_local(path):
         save(os.fspath(path))
         return
     with tempfile.TemporaryDirectory(prefix="v41jax-stage-") as tmp:
         local = epath.Path(tmp) / path.name
         save(os.fspath(local))
+        for side in sorted(p for p in epath.Path(tmp).iterdir() if p.name != path.name):
+            (path.parent / side.name).write_bytes(side.read_bytes())
         path.write_bytes(local.read_bytes())
 
 
