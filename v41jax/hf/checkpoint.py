@@ -1,12 +1,11 @@
 """Hugging Face model directories (config.json + safetensors, one file or sharded with
 `model.safetensors.index.json`) read into v41jax params and written back.
 
-Reading goes tensor by tensor (`safetensors.safe_open`, memory-mapped): each tensor is
-converted (`v41jax.hf.convert`), the layers are stacked into the config's layout, and each
-parameter is placed into its sharding with `jax.make_array_from_callback`, so every device
-receives only its own slice. The host holds one copy of the model while it is assembled
-(not one per device); reading a layer-stacked parameter straight from the files per shard
-would lower that to one parameter, and is not done yet.
+Reading maps every tensor into memory (`v41jax.hf.mapped`), converts it as a view
+(`v41jax.hf.convert`: reshapes and transposes), and places each parameter into its sharding
+one slice at a time: each device's slice, of the layers a stacked parameter holds, is
+copied straight from the files and put on its device before the next is read, so the host
+never holds the model, nor a whole parameter.
 Writing is the inverse (one file per `max_shard_bytes`, an index when there are several).
 """
 
@@ -26,6 +25,7 @@ from safetensors.numpy import save_file
 
 from v41jax.config import ModelConfig
 from v41jax.hf.convert import hf_config_from_model, hf_tensors, model_config_from_hf, v41jax_name
+from v41jax.hf.mapped import mapped_tensors
 from v41jax.model.layout import convert_layout, layer_segments, unscanned_segments
 
 INDEX = "model.safetensors.index.json"
@@ -56,15 +56,19 @@ def tensor_files(hf_dir: str) -> dict[str, str]:
         return {name: single for name in f.keys()}  # noqa: SIM118 (not a dict)
 
 
-def _read(files: dict[str, str]):
-    """Yield (name, numpy array) file by file, each file opened once."""
+def _mapped(files: dict[str, str]) -> dict[str, np.ndarray]:
+    """{tensor name: its read-only memmap} of the tensors `files` lists (each file mapped
+    once; nothing is read yet)."""
     by_file: dict[str, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
+    out = {}
     for path, names in by_file.items():
-        with safe_open(path, "np") as f:
-            for name in names:
-                yield name, f.get_tensor(name)
+        tensors = mapped_tensors(path)
+        if missing := sorted(set(names) - set(tensors)):
+            raise ValueError(f"{path}: the index lists tensors the file lacks {missing[:4]}")
+        out.update((name, tensors[name]) for name in names)
+    return out
 
 
 def _per_layer_abstract(cfg: ModelConfig):
@@ -77,55 +81,111 @@ def _per_layer_abstract(cfg: ModelConfig):
     return jax.eval_shape(lambda: nn.unbox(init_params(unscanned, jax.random.key(0))))
 
 
+def _sources(hf_dir: str, cfg: ModelConfig, abstract: dict) -> dict[str, Any]:
+    """{per-layer v41jax path: a function () -> the converted memmap view}, every name and
+    shape checked against `abstract` before any data is read."""
+    sources: dict[str, Any] = {}
+    tied_head = None
+    for name, stored in _mapped(tensor_files(hf_dir)).items():
+        if _SKIPPED.search(name):
+            continue
+        mapped = v41jax_name(name)
+        if mapped is None:
+            raise ValueError(f"{hf_dir}: tensor {name!r} {stored.shape} has no v41jax mapping")
+        path, to = mapped
+        if path == "head" and cfg.tie_embeddings:
+            tied_head = stored  # some tied checkpoints store it too: it must equal the embedding
+            continue
+        try:
+            view = to(stored, cfg)  # a reshape / transpose: a view of the memmap
+        except ValueError as e:
+            raise ValueError(
+                f"{hf_dir}: tensor {name!r} {stored.shape} does not fit the model "
+                f"(d_model={cfg.d_model}, heads={cfg.num_heads}/{cfg.num_kv_heads}, "
+                f"head_dim={cfg.resolved_head_dim}): {e}"
+            ) from None
+        if path in abstract and view.shape != abstract[path].shape:
+            raise ValueError(
+                f"{hf_dir}: {path} has shape {view.shape}, the model wants {abstract[path].shape}"
+            )
+        sources[path] = view
+    if tied_head is not None and not np.array_equal(tied_head, sources.get("embed/embedding")):
+        raise ValueError(f"{hf_dir}: tie_word_embeddings but lm_head.weight != embed_tokens")
+    if missing := sorted(set(abstract) - set(sources)):
+        raise ValueError(f"{hf_dir}: no tensor for v41jax params {missing[:6]}")
+    if extra := sorted(set(sources) - set(abstract)):
+        raise ValueError(f"{hf_dir}: tensors for params the model lacks {extra[:6]}")
+    return sources
+
+
+def _reader(views: list[np.ndarray], stacked: bool, dtype):
+    """index (a tuple of slices of the param) -> that slice in `dtype`, read from the memmap
+    views: of the one view, or of the layers `index[0]` picks out of a stacked param."""
+
+    def read(index: tuple) -> np.ndarray:
+        index = tuple(index)
+        if not stacked:
+            return np.array(views[0][index], dtype)  # a copy: never a view of the file
+        rows = range(len(views))[index[0] if index else slice(None)]
+        return np.stack([np.asarray(views[i][index[1:]], dtype) for i in rows])
+
+    return read
+
+
 def load_hf_params(hf_dir: str, cfg: ModelConfig, shardings: Any = None, dtype=None) -> dict:
     """The params of the HF model in `hf_dir` for `cfg` (`model_config_from_hf` of its
     config, possibly with overrides), in `cfg`'s layer layout; placed into `shardings` (a
     tree like the params, e.g. `make_state_fns(...)[3].params`) when given, else numpy.
     `dtype` casts every tensor (default: cfg.param_dtype). A tensor with no mapping, a
-    missing one or one of the wrong shape raises ValueError naming it."""
+    missing one or one of the wrong shape raises ValueError naming it, before any is read.
+
+    With shardings, each device's slice is read from the memory-mapped files and put on its
+    device before the next is read (`_place`): the host holds one slice at a time, never a
+    whole parameter or the model; on several hosts each reads only its devices' slices.
+    """
     dtype = np.dtype(dtype or cfg.param_dtype)
     abstract = {
         "/".join(k): v for k, v in traverse_util.flatten_dict(_per_layer_abstract(cfg)).items()
     }
-    want = set(abstract)
-    flat: dict[str, np.ndarray] = {}
-    tied_head = None
-    for name, array in _read(tensor_files(hf_dir)):
-        if _SKIPPED.search(name):
-            continue
-        mapped = v41jax_name(name)
-        if mapped is None:
-            raise ValueError(f"{hf_dir}: tensor {name!r} {array.shape} has no v41jax mapping")
-        path, to = mapped
-        if path == "head" and cfg.tie_embeddings:
-            tied_head = array  # some tied checkpoints store it too: it must equal the embedding
-            continue
-        try:
-            flat[path] = np.asarray(to(array, cfg), dtype)
-        except ValueError as e:
-            raise ValueError(
-                f"{hf_dir}: tensor {name!r} {array.shape} does not fit the model "
-                f"(d_model={cfg.d_model}, heads={cfg.num_heads}/{cfg.num_kv_heads}, "
-                f"head_dim={cfg.resolved_head_dim}): {e}"
-            ) from None
-    if tied_head is not None and not np.array_equal(tied_head, flat.get("embed/embedding")):
-        raise ValueError(f"{hf_dir}: tie_word_embeddings but lm_head.weight != embed_tokens")
-    if missing := sorted(want - set(flat)):
-        raise ValueError(f"{hf_dir}: no tensor for v41jax params {missing[:6]}")
-    if extra := sorted(set(flat) - want):
-        raise ValueError(f"{hf_dir}: tensors for params the model lacks {extra[:6]}")
-    for path, x in flat.items():
-        shape = abstract[path].shape
-        if x.shape != shape:
-            raise ValueError(f"{hf_dir}: {path} has shape {x.shape}, the model wants {shape}")
-    tree = convert_layout(traverse_util.unflatten_dict(flat, sep="/"), layer_segments(cfg))
-    if shardings is None:
-        return tree
-    return jax.tree.map(
-        lambda x, s: jax.make_array_from_callback(x.shape, s, lambda idx, x=x: x[idx]),
-        tree,
-        shardings,
+    sources = _sources(hf_dir, cfg, abstract)
+    # Which per-layer params make each param of cfg's layout: the layout of a tree of ids
+    # (a stacked segment's leaf becomes [layers, 1], an unstacked one stays [1]).
+    paths = sorted(sources)
+    ids = {p: np.array([i]) for i, p in enumerate(paths)}
+    layout = convert_layout(traverse_util.unflatten_dict(ids, sep="/"), layer_segments(cfg))
+    readers = jax.tree.map(
+        lambda a: _reader([sources[paths[i]] for i in a.reshape(-1)], a.ndim == 2, dtype),
+        layout,
     )
+    shapes = jax.tree.map(
+        lambda a: (
+            (a.shape[0], *sources[paths[a.reshape(-1)[0]]].shape)
+            if a.ndim == 2
+            else sources[paths[a[0]]].shape
+        ),
+        layout,
+    )
+    if shardings is None:
+        return jax.tree.map(lambda read, shape: read((slice(None),) * len(shape)),
+                            readers, shapes, is_leaf=callable)  # fmt: skip
+    return jax.tree.map(_place, readers, shapes, shardings, is_leaf=callable)
+
+
+def _place(read, shape: tuple[int, ...], sharding) -> jax.Array:
+    """The global array of `shape` in `sharding`, built one distinct slice at a time: each
+    slice this process's devices hold is read once, put on its devices and dropped, so the
+    host holds one slice (not the parameter) at a time."""
+    by_slice: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(s.indices(n) for s, n in zip(index, shape, strict=True))
+        by_slice.setdefault(key, []).append((device, index))
+    arrays = []
+    for placed in by_slice.values():
+        host = read(placed[0][1])
+        arrays.extend(jax.device_put(host, device) for device, _ in placed)
+        jax.block_until_ready(arrays[-1])  # the transfer done before the next slice is read
+        del host
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def load_hf(hf_dir: str, **overrides) -> tuple[ModelConfig, dict]:
