@@ -118,6 +118,21 @@ def test_training_data_is_read_through_load_data():
     assert not direct, f"call load_data (data.token_dir) instead of prepare_data: {direct}"
 
 
+def test_one_step_loop():
+    """Both trainers (train, train-drafter) run `v41jax.train.steploop.run_steps`: nothing
+    else in the package latches the stop signal or agrees a stop, so no second loop decides
+    on its own when to log, checkpoint or stop."""
+    own = PACKAGE / "train" / "steploop.py"
+    others = [
+        str(p.relative_to(ROOT))
+        for p in PACKAGE.rglob("*.py")
+        if p != own and re.search(r"\b(StopSignal|AgreedStop)\(", p.read_text())
+    ]
+    assert not others, f"run the loop through v41jax.train.steploop.run_steps: {others}"
+    users = {p.name for p in PACKAGE.rglob("*.py") if "run_steps(" in p.read_text()}
+    assert {"loop.py", "train_shared.py"} <= users, users
+
+
 def test_ruff_clean():
     ruff = [sys.executable, "-m", "ruff"]
     check = subprocess.run(

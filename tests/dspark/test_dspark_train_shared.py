@@ -101,3 +101,36 @@ def test_too_little_held_out_text_fails_before_the_first_step(target, tmp_path):
     ckpts = workdir / "checkpoints"
     assert not ckpts.exists() or not any(p.name.isdigit() for p in ckpts.iterdir())
     assert not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text()
+
+
+def test_a_signal_stops_every_drafter_at_one_step_and_the_rerun_resumes_exactly(
+    target, tmp_path, monkeypatch
+):
+    """SIGTERM during step 3 (the one step loop, `v41jax.train.steploop`): both drafters save
+    step 3 and report it stopped, with no eval.json; the same command then finishes each one
+    exactly as an uninterrupted run."""
+    import signal
+
+    from v41jax.dspark import train as T
+
+    anchors_at = T._anchors_at
+
+    def signal_at_step_3(seed, step, *args):
+        if step == 2:  # the anchors of step 3 (steps count from 1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return anchors_at(seed, step, *args)
+
+    runs = {str(tmp_path / "a"): cfg(), str(tmp_path / "b"): cfg("train.steps=6")}
+    with monkeypatch.context() as m:
+        m.setattr(T, "_anchors_at", signal_at_step_3)
+        stopped = train_drafters(runs, target, progress=False)
+    assert all(r == {"step": 3, "stopped": True} for r in stopped.values()), stopped
+    for w in runs:
+        assert os.path.isdir(os.path.join(w, "checkpoints", "3"))
+        assert not os.path.exists(os.path.join(w, "eval.json"))
+    done = train_drafters(runs, target, progress=False)
+    assert [done[w]["step"] for w in runs] == [4, 6]
+    alone = str(tmp_path / "alone")
+    train_drafters({alone: cfg()}, target, progress=False)
+    assert _same(load_drafter(alone)[1], load_drafter(str(tmp_path / "a"))[1])
+    assert _metrics(alone) == _metrics(str(tmp_path / "a"))

@@ -9,11 +9,11 @@ WORKDIR layout (resumable like `train`: the same command continues a killed run)
     tensorboard/       the same records as TensorBoard scalars
     eval.json          the final evaluation
 
-The optimizer, its schedule and the state's creation are the training stack's
-(`v41jax.dspark.train_state`): the state lives on the target's mesh in the shardings of its
-logical annotations, each batch is split over the mesh's data x fsdp axes (train.batch_size
-must divide), each process reads only its rows, and a stop on SIGTERM is agreed by every
-process (`v41jax.train.preemption`).
+The optimizer, its schedule, the state's creation and the step loop are the training
+stack's (`v41jax.dspark.train_state`, `v41jax.train.steploop`): the state lives on the
+target's mesh in the shardings of its logical annotations, each batch is split over the
+mesh's data x fsdp axes (train.batch_size must divide), each process reads only its rows,
+and a stop on SIGTERM is agreed by every process (`v41jax.train.preemption`).
 
 Only the drafter's parameters are in the optimizer; the target's params enter the step as
 arguments under stop_gradient, so the backbone is bit-identical after training (tested).

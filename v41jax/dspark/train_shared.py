@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
-from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
 from v41jax.data import BatchIterator, eval_batches, load_data
@@ -35,11 +34,9 @@ from v41jax.dspark.train_state import drafter_state_fns, restore_drafter_state
 from v41jax.sharding import batch_shards
 from v41jax.train import load_run, run_identity
 from v41jax.train.batches import add_engram_ids
-from v41jax.train.checkpoint import Checkpointer, StopSignal
-from v41jax.train.metrics import MetricsWriter
-from v41jax.train.observe import TensorBoard
-from v41jax.train.preemption import AgreedStop
+from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.step import device_batch
+from v41jax.train.steploop import Cadence, RunLog, run_steps
 
 # What fixes the batch and anchors: drafters sharing a target pass must agree on these.
 SHARED_FIELDS = ("seed", "batch_size", "anchors_per_seq", "data_paths")
@@ -54,8 +51,7 @@ class _Run:
     state: dict
     update: object
     ckpt: Checkpointer
-    writer: MetricsWriter
-    board: TensorBoard
+    log: RunLog
     start: int
     result: dict
     data_state: dict | None
@@ -104,16 +100,8 @@ def _open_run(cfg, workdir, target, record, resuming, init_from, frozen) -> _Run
         state = new_state(T.load_drafter(init_from, target=target, check=False)[1])
     else:
         state = new_state(T.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed))
-    main = jax.process_index() == 0
-    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), start, enabled=main)
-    board = TensorBoard(os.path.join(workdir, "tensorboard"), start, enabled=main)
-    return _Run(cfg, workdir, state, update, ckpt, writer, board, start, {"step": start},
-                data_state)  # fmt: skip
-
-
-def _log(r: _Run, record: dict) -> None:
-    r.writer.write(record)
-    r.board.write(record)
+    log = RunLog(workdir, start, enabled=jax.process_index() == 0)
+    return _Run(cfg, workdir, state, update, ckpt, log, start, {"step": start}, data_state)
 
 
 def train_drafters(
@@ -181,45 +169,46 @@ def train_drafters(
     target_params = nn.unbox(target.params)
     features = jax.jit(functools.partial(target_features, target_cfg=tcfg.model, layer_ids=layers))
     start, end = min(r.start for r in runs), max(r.cfg.train.steps for r in runs)
-    bar = tqdm(total=end, initial=start, disable=not progress, desc="drafters")
-    t0 = time.perf_counter()
-    with StopSignal() as signals:
-        stop = AgreedStop(signals)  # on several processes: agreed, so all stop at one step
-        for step in range(start, end):
-            todo = [r for r in runs if r.start <= step < r.cfg.train.steps]
-            if not todo:  # every run is further along (resumed at different steps)
-                continue
-            # the anchors of this process's rows, sharded like the batch
-            n = shared.anchors_per_seq
-            anchors = T._anchors_at(shared.seed, step, shared.batch_size, seq_len, n)[rows]
-            anchors = anchors.astype(np.int32)
-            batch = prepare({**it.batch_at(step), "anchors": anchors})
-            anchors = batch.pop("anchors")
-            feats, logits = features(target_params, batch=batch)
-            it.step = done = step + 1
-            stopping = stop(done)
-            for r in todo:
-                mine = _select(feats, layers, r.cfg.drafter.layer_ids_for(tcfg.model.num_layers))
-                r.state, metrics = r.update(r.state, frozen, mine, logits, batch, anchors)
-                c = r.cfg.train
-                if done % c.log_every == 0 or done == c.steps:
-                    rec = {"step": done, **T._flat(metrics), "wall_s": time.perf_counter() - t0}
-                    _log(r, rec)
-                    bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
-                if done == c.steps or (c.eval_every and done % c.eval_every == 0):
-                    r.result = {"step": done, **evaluate(r)}
-                    _log(r, r.result)
-                if done % c.checkpoint_every == 0 or done == c.steps or stopping:
-                    r.ckpt.save(done, r.state, it.state())
-                if stopping:
-                    r.result = {"step": done, "stopped": True}
-            bar.update(1)
-            if stopping:
-                break
-    bar.close()
+    n, t0 = shared.anchors_per_seq, time.perf_counter()
+
+    def body(done: int, bar) -> None:  # step `done` (1-based): batch and anchors of done - 1
+        todo = [r for r in runs if r.start < done <= r.cfg.train.steps]
+        if not todo:  # every run is further along (resumed at different steps)
+            return
+        # the anchors of this process's rows, sharded like the batch
+        anchors = T._anchors_at(shared.seed, done - 1, shared.batch_size, seq_len, n)[rows]
+        batch = prepare({**it.batch_at(done - 1), "anchors": anchors.astype(np.int32)})
+        anchors = batch.pop("anchors")
+        feats, logits = features(target_params, batch=batch)
+        it.step = done
+        for r in todo:
+            mine = _select(feats, layers, r.cfg.drafter.layer_ids_for(tcfg.model.num_layers))
+            r.state, metrics = r.update(r.state, frozen, mine, logits, batch, anchors)
+            cadence = Cadence.of(r.cfg.train)
+            if cadence.logs(done):
+                rec = {"step": done, **T._flat(metrics), "wall_s": time.perf_counter() - t0}
+                r.log(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
+            if cadence.evaluates(done):
+                r.result = {"step": done, **evaluate(r)}
+                r.log(r.result)
+            if cadence.saves(done):
+                r.ckpt.save(done, r.state, it.state())
+
+    def on_stop(done: int) -> None:  # every run that took this step saves it
+        for r in runs:
+            if r.start < done <= r.cfg.train.steps:
+                r.ckpt.save(done, r.state, it.state())
+            if max(done, r.start) < r.cfg.train.steps:  # not finished: no eval.json
+                r.result = {"step": max(done, r.start), "stopped": True}
+
+    if run_steps(start, end, body, on_stop, desc="drafters", progress=progress) is None:
+        for r in runs:  # killed after its last checkpoint, before its eval.json
+            if r.start == r.cfg.train.steps:
+                r.result = {"step": r.start, **evaluate(r)}
     for r in runs:
         r.ckpt.close()
-        r.board.close()
+        r.log.close()
         if not r.result.get("stopped") and jax.process_index() == 0:
             with open(os.path.join(r.workdir, "eval.json"), "w") as f:
                 json.dump(r.result, f, indent=2)

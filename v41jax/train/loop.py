@@ -30,7 +30,6 @@ import time
 
 import jax
 import numpy as np
-from tqdm.auto import tqdm
 
 from v41jax import config as config_lib
 from v41jax.config import Config
@@ -41,11 +40,9 @@ from v41jax.model.host_params import host_table_arrays
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train import run_files
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
-from v41jax.train.checkpoint import Checkpointer, StopSignal
+from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
-from v41jax.train.metrics import MetricsWriter
-from v41jax.train.observe import Profiler, TensorBoard, flops_metrics
-from v41jax.train.preemption import AgreedStop
+from v41jax.train.observe import Profiler, flops_metrics
 from v41jax.train.resume import (
     COMPUTE_ONLY_MODEL_FIELDS,
     latest_checkpoint_step,
@@ -57,6 +54,7 @@ from v41jax.train.runs import LoadedRun, load_run
 from v41jax.train.sparse_tables import split_tables
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
+from v41jax.train.steploop import Cadence, RunLog, run_steps
 from v41jax.train.workdir import as_path, check_local_features, write_text_atomic
 
 
@@ -259,11 +257,12 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
     else:
         step_fn = lambda state, b: train_step(state, device_batch(mesh, b))  # noqa: E731
     batches = PrefetchingBatches(iterator, prepare)
-    writer = MetricsWriter(workdir / "metrics.jsonl", start, enabled=main)
-    board = TensorBoard(workdir / "tensorboard", start, main and cfg.train.tensorboard)
-    log = lambda record: (writer.write(record), board.write(record))  # noqa: E731
+    log = RunLog(workdir, start, enabled=main, tensorboard=cfg.train.tensorboard)
     profiler = Profiler(cfg.train.profile_steps if main else "", workdir / "profile")
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    cadence, steps = Cadence.of(cfg.train), cfg.train.steps
+    clock = {"time": time.perf_counter(), "step": start}  # of the last log line
+    result: dict = {}
 
     def save(step: int) -> None:
         tables = host.checkpoint(step) if host else None
@@ -272,47 +271,40 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
     def validation() -> list[dict]:  # host tables: the rows as they are now
         return [host.patch(host.gather(b))[0] for b in val] if host else val
 
-    result: dict = {}
-    steps = cfg.train.steps
-    last_time, last_step = time.perf_counter(), start
-    with (
-        StopSignal() as signals,
-        tqdm(
-            total=steps, initial=start, desc=f"train {cfg.name}", disable=not (progress and main)
-        ) as bar,
-    ):
-        # on one process: the signal; on several: any process's, agreed every n steps
-        stop = AgreedStop(signals, every=cfg.train.stop_check_every)
-        for step in range(start + 1, steps + 1):
-            profiler.before(step)
-            state, metrics = step_fn(state, next(batches))
-            profiler.after(step, state)
-            if step % cfg.train.log_every == 0 or step == steps:
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if not np.isfinite(metrics["loss"]):
-                    raise FloatingPointError(
-                        f"loss is {metrics['loss']} at step {step}; last checkpoint: "
-                        f"{checkpointer.latest_step()} (not overwritten)"
-                    )
-                now = time.perf_counter()
-                tps = (step - last_step) * tokens_per_step / (now - last_time)
-                last_time, last_step = now, step
-                record = {"step": step, **metrics, "tokens_per_s": tps, **flops_metrics(cfg, tps)}
-                log(record)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tps:,.0f}")
-            if step % cfg.train.checkpoint_every == 0 or step == steps:
-                save(step)
-            if step == steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-                result = {"step": step, **evaluate(eval_step, mesh, state.params, validation())}
-                log(result)
-                bar.write(f"step {step}: val_loss {result['val_loss']:.4f}")
-            bar.update(1)
-            if stop(step):  # on several processes: all of them, after the same step
-                save(step)
-                checkpointer.wait()
-                bar.write(stop.describe(step))
-                result = {"step": step, "stopped": True}
-                break
+    def body(step: int, bar) -> None:
+        nonlocal state, result
+        profiler.before(step)
+        state, metrics = step_fn(state, next(batches))
+        profiler.after(step, state)
+        if cadence.logs(step):
+            metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            if not np.isfinite(metrics["loss"]):
+                raise FloatingPointError(
+                    f"loss is {metrics['loss']} at step {step}; last checkpoint: "
+                    f"{checkpointer.latest_step()} (not overwritten)"
+                )
+            now = time.perf_counter()
+            tps = (step - clock["step"]) * tokens_per_step / (now - clock["time"])
+            clock.update(time=now, step=step)
+            log({"step": step, **metrics, "tokens_per_s": tps, **flops_metrics(cfg, tps)})
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{tps:,.0f}")
+        if cadence.saves(step):
+            save(step)
+        if cadence.evaluates(step):
+            result = {"step": step, **evaluate(eval_step, mesh, state.params, validation())}
+            log(result)
+            bar.write(f"step {step}: val_loss {result['val_loss']:.4f}")
+
+    def on_stop(step: int) -> None:
+        save(step)
+        checkpointer.wait()
+
+    stopped = run_steps(
+        start, steps, body, on_stop, desc=f"train {cfg.name}", progress=progress and main,
+        stop_check_every=cfg.train.stop_check_every,
+    )  # fmt: skip
+    if stopped is not None:
+        result = {"step": stopped, "stopped": True}
     if start == steps:  # nothing left to train: report the saved model
         result = {"step": steps, **evaluate(eval_step, mesh, state.params, validation())}
     checkpointer.wait()  # the final checkpoint is on disk before eval.json says done
@@ -320,7 +312,7 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
         write_text_atomic(workdir / "eval.json", json.dumps(result, indent=2))
     batches.close()
     checkpointer.close()
-    board.close()
+    log.close()
     profiler.close()
     return result
 
