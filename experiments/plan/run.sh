@@ -26,3 +26,5 @@ plan 8b-mhc_cuda_nomicro --config 8b-mhc --platform cuda --no-lower --set train.
 plan 1b_tpu_unscanned --config 1b --platform tpu --no-lower --set model.scan_layers=false
 plan 1b_tpu_unscanned_noremat --config 1b --platform tpu --no-lower --set model.scan_layers=false \
   --set model.remat_policy=none
+# the full-logits head (model.logits_chunk=0): fp32 [B, T, V] logits and their gradient
+plan 1b_tpu_full_logits --config 1b --platform tpu --no-lower --set model.logits_chunk=0

@@ -18,6 +18,7 @@ ORDER = [
     "8b-mhc_cuda_nomicro",
     "1b_tpu_unscanned",
     "1b_tpu_unscanned_noremat",
+    "1b_tpu_full_logits",
 ]
 GIB = 1 << 30
 
