@@ -55,6 +55,11 @@ class _Run:
     start: int
     result: dict
     data_state: dict | None
+    cadence: Cadence
+
+    def takes(self, step: int) -> bool:
+        """Whether this run takes step `step` (1-based): resumed before it, not yet done."""
+        return self.start < step <= self.cfg.train.steps
 
 
 def _check_shared(cfgs: dict[str, DrafterRunConfig], target_layers: int) -> tuple:
@@ -101,7 +106,8 @@ def _open_run(cfg, workdir, target, record, resuming, init_from, frozen) -> _Run
     else:
         state = new_state(T.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed))
     log = RunLog(workdir, start, enabled=jax.process_index() == 0)
-    return _Run(cfg, workdir, state, update, ckpt, log, start, {"step": start}, data_state)
+    return _Run(cfg, workdir, state, update, ckpt, log, start, {"step": start}, data_state,
+                Cadence.of(cfg.train))  # fmt: skip
 
 
 def train_drafters(
@@ -172,7 +178,7 @@ def train_drafters(
     n, t0 = shared.anchors_per_seq, time.perf_counter()
 
     def body(done: int, bar) -> None:  # step `done` (1-based): batch and anchors of done - 1
-        todo = [r for r in runs if r.start < done <= r.cfg.train.steps]
+        todo = [r for r in runs if r.takes(done)]
         if not todo:  # every run is further along (resumed at different steps)
             return
         # the anchors of this process's rows, sharded like the batch
@@ -184,20 +190,19 @@ def train_drafters(
         for r in todo:
             mine = _select(feats, layers, r.cfg.drafter.layer_ids_for(tcfg.model.num_layers))
             r.state, metrics = r.update(r.state, frozen, mine, logits, batch, anchors)
-            cadence = Cadence.of(r.cfg.train)
-            if cadence.logs(done):
+            if r.cadence.logs(done):
                 rec = {"step": done, **T._flat(metrics), "wall_s": time.perf_counter() - t0}
                 r.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
-            if cadence.evaluates(done):
+            if r.cadence.evaluates(done):
                 r.result = {"step": done, **evaluate(r)}
                 r.log(r.result)
-            if cadence.saves(done):
+            if r.cadence.saves(done):
                 r.ckpt.save(done, r.state, it.state())
 
     def on_stop(done: int) -> None:  # every run that took this step saves it
         for r in runs:
-            if r.start < done <= r.cfg.train.steps:
+            if r.takes(done):
                 r.ckpt.save(done, r.state, it.state())
             if max(done, r.start) < r.cfg.train.steps:  # not finished: no eval.json
                 r.result = {"step": max(done, r.start), "stopped": True}
