@@ -34,7 +34,16 @@ from v41jax.config.schema import (
     TrainConfig,
     validate,
 )
-from v41jax.config.text import diff, from_dict, load_json, override, save_json, to_dict
+from v41jax.config.text import (
+    diff,
+    from_dict,
+    load_json,
+    override,
+    parse_json,
+    read_json,
+    save_json,
+    to_dict,
+)
 
 __all__ = [
     "ATTENTION_IMPLS",
@@ -63,6 +72,8 @@ __all__ = [
     "load_json",
     "named_configs",
     "override",
+    "parse_json",
+    "read_json",
     "require_vocab",
     "save_json",
     "to_dict",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import types
 import typing
 from typing import Any
@@ -73,9 +74,49 @@ def save_json(cfg: Config, path: str) -> None:
         json.dump(to_dict(cfg), f, indent=2, sort_keys=True)
 
 
-def load_json(path: str) -> Config:
-    with open(path) as f:
-        return from_dict(Config, json.load(f))
+def parse_json(raw: bytes | str, name: str) -> Any:
+    """The JSON value of `raw`, the text of `name` (a file, or a part of one). Damaged text
+    is a ValueError naming it, where it breaks and, when the text stops mid-value (a copy
+    killed or a disk filled while writing), that it may be cut short: json's own message
+    ("Unterminated string starting at: line 11 column 5") names no file."""
+    if not raw.strip():
+        raise ValueError(f"{name} is empty ({len(raw)} bytes), not JSON; it may be cut short")
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name} is not JSON text (byte {e.start} is not UTF-8)") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        # nothing structural after the break: the text stops inside a value
+        rest = set(e.doc[e.pos :]) & set('{}[],:"')
+        short = e.msg.startswith("Unterminated string") or not rest
+        hint = "; it stops mid-value, so it may be cut short" if short else ""
+        where = f"line {e.lineno} column {e.colno}: {e.msg}"
+        raise ValueError(f"{name} is not valid JSON ({where}){hint}") from None
+
+
+def read_json(path: Any) -> Any:
+    """The JSON value of the file at `path` (a local path, or an `etils.epath.Path` such as
+    a gs:// workdir's file), read whole; a damaged file is a ValueError naming it
+    (`parse_json`). The one reader for the JSON files v41jax keeps in workdirs and reads
+    from model directories."""
+    if hasattr(path, "read_bytes"):
+        return parse_json(path.read_bytes(), os.fspath(path))
+    with open(path, "rb") as f:
+        return parse_json(f.read(), os.fspath(path))
+
+
+def load_json(path: Any) -> Config:
+    """The Config saved in `path` (a run's config.json; local or an `etils.epath.Path`).
+    Damaged JSON, a non-object or an unknown key is an error naming the file."""
+    d = read_json(path)
+    if not isinstance(d, dict):
+        raise ValueError(f"{os.fspath(path)} holds a JSON {type(d).__name__}, not a config")
+    try:
+        return from_dict(Config, d)
+    except KeyError as e:
+        raise KeyError(f"{os.fspath(path)}: {e.args[0]}") from None
 
 
 def _leaf_keys(cls: type, prefix: str = "") -> dict[str, Any]:

@@ -20,12 +20,11 @@ from typing import Any
 import jax
 import numpy as np
 from flax import traverse_util
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from v41jax.config import ModelConfig
+from v41jax.config import ModelConfig, read_json
 from v41jax.hf.convert import hf_config_from_model, hf_tensors, model_config_from_hf, v41jax_name
-from v41jax.hf.mapped import mapped_tensors
+from v41jax.hf.mapped import mapped_tensors, read_header
 from v41jax.model.layout import convert_layout, layer_segments, unscanned_segments
 
 INDEX = "model.safetensors.index.json"
@@ -35,30 +34,62 @@ _SKIPPED = re.compile(r"(rotary_emb\.inv_freq|\.masked_bias|\.attn\.bias)$")
 
 
 def read_hf_config(hf_dir: str) -> dict:
+    """The config.json of the HF model directory `hf_dir`. A path that does not exist, is
+    not a directory or holds no config.json, and a damaged config.json (e.g. cut short), are
+    errors naming it."""
+    if not os.path.exists(hf_dir):
+        raise FileNotFoundError(f"{hf_dir} does not exist (a Hugging Face model directory: "
+                                "config.json + safetensors + tokenizer.json)")  # fmt: skip
+    if not os.path.isdir(hf_dir):
+        raise ValueError(f"{hf_dir} is a file, not a Hugging Face model directory (config.json "
+                         "+ safetensors + tokenizer.json)")  # fmt: skip
     path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{hf_dir} holds no Hugging Face model (no config.json)")
-    with open(path) as f:
-        return json.load(f)
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds a JSON {type(config).__name__}, not a model config")
+    return config
+
+
+def check_hf_dir(hf_dir: str) -> None:
+    """Refuse, naming what is wrong, a directory that cannot be imported: missing, without
+    a readable config.json, without safetensors weights, or whose index or shards are
+    missing or damaged (a header that lies, a file cut short). Cheap: it reads the JSON
+    files and the headers and maps the tensors, but reads no tensor data. `load_hf_params`
+    makes the same checks; this makes them before anything else (a tokenizer, a mesh)."""
+    read_hf_config(hf_dir)
+    _mapped(tensor_files(hf_dir))
 
 
 def tensor_files(hf_dir: str) -> dict[str, str]:
-    """{tensor name: file path} from the index, or of the single model.safetensors."""
+    """{tensor name: file path} from the index, or of the single model.safetensors. A
+    damaged index, or one naming a shard that is not there, is an error naming both."""
     index = os.path.join(hf_dir, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map {{tensor name: file}}")
+        files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+        for name, path in files.items():
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{index} puts tensor {name} in {weight_map[name]}, "
+                                        f"which {hf_dir} lacks")  # fmt: skip
+        return files
     single = os.path.join(hf_dir, SINGLE)
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{hf_dir} has neither {INDEX} nor {SINGLE}")
-    with safe_open(single, "np") as f:
-        return {name: single for name in f.keys()}  # noqa: SIM118 (not a dict)
+        others = sorted(f for f in os.listdir(hf_dir) if f.endswith((".bin", ".pt", ".pth")))
+        found = f" (only {', '.join(others[:3])}: convert to safetensors)" if others else ""
+        raise FileNotFoundError(f"{hf_dir} has no safetensors weights: neither {INDEX} nor "
+                                f"{SINGLE}{found}")  # fmt: skip
+    return {name: single for name in read_header(single)[0]}
 
 
 def _mapped(files: dict[str, str]) -> dict[str, np.ndarray]:
     """{tensor name: its read-only memmap} of the tensors `files` lists (each file mapped
-    once; nothing is read yet)."""
+    once; nothing is read yet). A file that lacks a tensor the index puts in it is an error
+    naming both."""
     by_file: dict[str, list[str]] = {}
     for name, path in files.items():
         by_file.setdefault(path, []).append(name)
@@ -66,7 +97,9 @@ def _mapped(files: dict[str, str]) -> dict[str, np.ndarray]:
     for path, names in by_file.items():
         tensors = mapped_tensors(path)
         if missing := sorted(set(names) - set(tensors)):
-            raise ValueError(f"{path}: the index lists tensors the file lacks {missing[:4]}")
+            raise ValueError(f"{path} lacks tensor {missing[0]}" +
+                             (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") +
+                             f", which {INDEX} puts in it")  # fmt: skip
         out.update((name, tensors[name]) for name in names)
     return out
 

@@ -8,8 +8,12 @@ import json
 
 
 def cmd_import_hf(args) -> int:
+    from v41jax.hf.checkpoint import check_hf_dir
     from v41jax.hf.workdir import import_hf
 
+    # the directory, its config.json and its safetensors headers first: a missing or damaged
+    # one is named as such, not as the missing tokenizer.json import_hf looks for first
+    check_hf_dir(args.hf_dir)
     print(json.dumps(import_hf(args.hf_dir, args.workdir, args.config, args.overrides), indent=2))
     return 0
 

@@ -120,7 +120,9 @@ def save_config(cfg: Config, path: epath.Path) -> None:
 
 
 def load_config(path: epath.Path) -> Config:
-    return config_lib.from_dict(Config, json.loads(path.read_text()))
+    """A run's config.json: a damaged (e.g. cut short) file or an unknown key is an error
+    naming the file (`config_lib.load_json`)."""
+    return config_lib.load_json(path)
 
 
 def _tensorboard_writes(scheme: str) -> str | None:
