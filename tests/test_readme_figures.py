@@ -44,7 +44,7 @@ def render(experiment: str) -> str:
         from v41jax.sweep.report import render_from_results
 
         return render_from_results(os.path.join("experiments", "engram_vs_ffn"))
-    if experiment in ("mhc_stability", "spec_throughput"):
+    if experiment in ("mhc_stability", "spec_throughput", "dspark_deep"):
         report = _module(f"experiments/{experiment}/report.py", f"{experiment}_report")
         return report.render_tables(_json("experiments", experiment, "results", "summary.json"))
     if experiment == "engram_scale":
@@ -66,6 +66,7 @@ def rendered_blocks(readme: str) -> list[str]:
 
 RENDERED = (
     "dspark", "engram_vs_ffn", "benchmarks", "mhc_stability", "spec_throughput", "engram_scale",
+    "dspark_deep",
 )  # fmt: skip
 
 

@@ -81,6 +81,24 @@ def wall_clock_table(rows: list[dict]) -> str:
     return "\n\n".join(out)
 
 
+def spread_table(rows: list[dict]) -> str:
+    """How far the timed passes spread: slowest over fastest pass, per decoder and batch."""
+    batches = sorted({r["batch"] for r in rows})
+    out = []
+    for temp in sorted({r["temperature"] for r in rows}, reverse=True):
+        table = []
+        for dec in dict.fromkeys(r["decoder"] for r in rows):
+            line = {"decoder": dec}
+            for b in batches:
+                r = _row(rows, decoder=dec, batch=b, temperature=temp)
+                p = (r or {}).get("passes_s")
+                line[str(b)] = f"{max(p) / min(p):.2f}" if p else None
+            table.append(line)
+        cols = [("decoder", f"T = {temp:g}", "")] + [(str(b), f"batch {b}", "") for b in batches]
+        out.append(A.markdown_table(table, cols))
+    return "\n\n".join(out)
+
+
 def cost_table(summary: dict) -> str:
     """c, v(L) and the ceiling tau(L) / (c + v(L)) per drafter and batch (plain rounds)."""
     rows, k_max = [], 1
@@ -88,10 +106,12 @@ def cost_table(summary: dict) -> str:
         for b, u in by_b.items():
             k_max = max(k_max, len(u["v"]))
             row = {"drafter": name, "batch": int(b), "c": u["c"]}
+            row["plain_ms"] = 1e3 * u["plain_round_s"] if "plain_round_s" in u else None
             row |= {f"v{j + 1}": v for j, v in enumerate(u["v"])}
             row |= {f"x{j + 1}": x for j, x in enumerate(u.get("ceiling", []))}
             rows.append(row)
-    cols = [("drafter", "drafter", ""), ("batch", "batch", "d"), ("c", "c", ".3f")]
+    cols = [("drafter", "drafter", ""), ("batch", "batch", "d")]
+    cols += [("plain_ms", "plain round (ms)", ".1f"), ("c", "c", ".3f")]
     cols += [(f"v{j}", f"v({j})", ".2f") for j in range(1, k_max + 1)]
     cols += [(f"x{j}", f"ceiling L={j}", ".2f") for j in range(1, k_max + 1)]
     return A.markdown_table(sorted(rows, key=lambda r: (r["batch"], r["drafter"])), cols)
@@ -144,6 +164,8 @@ def render_tables(summary: dict) -> str:
         ),  # fmt: skip
         "## Wall clock (tokens/s, speedup vs plain decoding in the same passes)",
         wall_clock_table(summary["wall_clock"]),
+        "## Spread of the timed passes (slowest pass / fastest pass)",
+        spread_table(summary["wall_clock"]),
         "## Round costs in plain decode rounds",
         cost_table(summary),
         "## Acceptance, tokens per round, calibration",
