@@ -1,9 +1,14 @@
-"""The READMEs' tables are renderings of the committed JSON, and README.md's figures match it.
+"""The READMEs' tables are renderings of the committed JSON, and their figures match it.
 
 Convention: a README table copied from an experiment's `results/tables.md` sits between
 `<!-- rendered from results/tables.md -->` and `<!-- end rendered -->`; each such block must
 be a verbatim excerpt of tables.md, and tables.md must equal what the experiment's renderer
 makes of the committed JSON now (no runs, no training: the runs/ directories need not exist).
+
+Prose: every decimal figure in an experiment's README (outside code blocks, inline code and
+the marked tables) must be found at its printed precision in that experiment's committed
+JSON or tables.md, or be listed with its source in `tests/readme_figures_allowlist.py`
+(see `untraced`).
 """
 
 from __future__ import annotations
@@ -144,3 +149,162 @@ def test_readme_results_row_numbers_come_from_the_json():
     runs = _json("experiments", "engram_vs_ffn", "results", "summary.json")
     best = {r["arm"]: r["val_loss"] for r in runs if r["seed"] == 0}
     assert f"{best['engram_2M']:.4f}" in _prose("experiments", "engram_vs_ffn", "README.md")
+
+
+# ----------------------------------------------------------------------------- prose
+#
+# A "decimal figure" is a number printed with a decimal point: 2.03, 0.016, 1.7x, 45.7%,
+# 2.2e-5. Not figures: integers (1,024; 36 GiB), version numbers and dotted ids (0.10.2,
+# V4.1, arXiv 2601.07372 is allowlisted), anything in a code block or inline code (commands,
+# config values), and the marked tables (checked above). A figure with d decimals is traced
+# when some number of the experiment's committed JSON files (any depth under its folder,
+# numbers inside strings included) or of its results/tables.md, rounded to d decimals,
+# prints as the figure; a unit after it allows the one conversion it names (% of a
+# fraction, ms / us of seconds, GB / MB of bytes, GiB / MiB of bytes). A figure computed
+# from two JSON values (a ratio, a difference) or taken from elsewhere is allowlisted with
+# its source; an allowlist source that starts with a committed file's path and a colon
+# ("experiments/dspark/results/tables.md: ...") is checked against that file.
+
+FIGURE = re.compile(
+    r"(?<![\w.])(\d+\.\d+(?:e[-+]?\d+)?)(?![\w.]*\.\d)(?!\d)"
+    r"(?:\s?(%|ms|us|GB|GiB|MB|MiB|M|G|k)(?!\w))?"
+)
+UNIT_SCALE = {
+    "": 1.0, "%": 100.0, "ms": 1e3, "us": 1e6, "GB": 1e-9, "MB": 1e-6,
+    "GiB": 2.0**-30, "MiB": 2.0**-20, "M": 1e-6, "G": 1e-9, "k": 1e-3,
+}  # fmt: skip
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, text) of a README with code blocks, inline code, link targets and the
+    marked tables blanked out (line numbers kept)."""
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))  # noqa: E731
+    text = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), blank, text, flags=re.S)
+    text = re.sub(r"^\s*```.*?^\s*```", blank, text, flags=re.S | re.M)
+    text = re.sub(r"`[^`\n]*`", blank, text)
+    text = re.sub(r"\]\([^)\s]*\)", blank, text)
+    return list(enumerate(text.split("\n"), start=1))
+
+
+def figures(text: str) -> list[tuple[int, str, str]]:
+    """(line, figure, unit) for every decimal figure in the prose of `text`."""
+    return [
+        (n, m.group(1), m.group(2) or "")
+        for n, line in prose_lines(text)
+        for m in FIGURE.finditer(line)
+    ]  # fmt: skip
+
+
+def _numbers(obj, out: set) -> set:
+    if isinstance(obj, bool) or obj is None:
+        return out
+    if isinstance(obj, (int, float)):
+        out.add(abs(float(obj)))
+    elif isinstance(obj, str):
+        out.update(float(x) for x in _NUMBER.findall(obj.replace(",", "")))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _numbers(k, out)
+            _numbers(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _numbers(v, out)
+    return out
+
+
+def source_numbers(*paths: str) -> set:
+    """Every number in the given files (JSON parsed; any other file read as text)."""
+    out: set = set()
+    for path in paths:
+        full = os.path.join(ROOT, path)
+        with open(full) as f:
+            _numbers(json.load(f) if path.endswith(".json") else f.read(), out)
+    return out
+
+
+def experiment_sources(experiment: str) -> list[str]:
+    """The committed JSON files under experiments/<experiment>/ and its results/tables.md."""
+    base = os.path.join("experiments", experiment)
+    paths = []
+    for dirpath, _, names in os.walk(os.path.join(ROOT, base)):
+        rel = os.path.relpath(dirpath, ROOT)
+        paths += [os.path.join(rel, n) for n in sorted(names) if n.endswith(".json")]
+    tables = os.path.join(base, "results", "tables.md")
+    if os.path.exists(os.path.join(ROOT, tables)):
+        paths.append(tables)
+    return sorted(paths)
+
+
+def _sci(x: float, d: int) -> str:
+    return re.sub(r"e([-+])0*(\d)", r"e\1\2", f"{x:.{d}e}").replace("e+", "e")
+
+
+def is_traced(figure: str, unit: str, numbers: set) -> bool:
+    mantissa = figure.split("e")[0]
+    d = len(mantissa.split(".")[1])
+    if "e" in figure:
+        want = _sci(float(figure), d)
+        return any(_sci(v, d) == want for v in numbers)
+    scales = {1.0, UNIT_SCALE.get(unit, 1.0)}
+    return any(f"{v * s:.{d}f}" == figure for v in numbers for s in scales)
+
+
+def untraced(text: str, numbers: set, allowed=()) -> list[str]:
+    """'line N: figure' for each figure of text's prose that numbers do not trace."""
+    return [
+        f"line {n}: {fig}{unit and ' ' + unit}"
+        for n, fig, unit in figures(text)
+        if fig not in allowed and not is_traced(fig, unit, numbers)
+    ]  # fmt: skip
+
+
+def _allowlist() -> dict:
+    return _module("tests/readme_figures_allowlist.py", "readme_figures_allowlist").ALLOWED
+
+
+EXPERIMENT_READMES = sorted(
+    e for e in os.listdir(EXP) if os.path.exists(os.path.join(EXP, e, "README.md"))
+)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENT_READMES)
+def test_every_decimal_figure_in_the_prose_traces_to_the_committed_results(experiment):
+    readme = _read("experiments", experiment, "README.md")
+    allowed = _allowlist().get(experiment, {})
+    numbers = source_numbers(*experiment_sources(experiment))
+    missing = untraced(readme, numbers, allowed)
+    assert not missing, (
+        f"experiments/{experiment}/README.md: figures found in none of "
+        f"{experiment_sources(experiment)} and not allowlisted in "
+        f"tests/readme_figures_allowlist.py:\n" + "\n".join(missing)
+    )
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENT_READMES)
+def test_allowlisted_figures_are_in_the_prose_and_checked_where_a_file_is_named(experiment):
+    printed = {fig for _, fig, _ in figures(_read("experiments", experiment, "README.md"))}
+    for fig, source in _allowlist().get(experiment, {}).items():
+        assert fig in printed, f"allowlisted {fig} is no longer in experiments/{experiment}"
+        path = source.split(":")[0]
+        if path.startswith("experiments/") and os.path.isfile(os.path.join(ROOT, path)):
+            numbers = source_numbers(path)
+            assert any(is_traced(fig, u, numbers) for u in UNIT_SCALE), f"{fig} not in {path}"
+
+
+def test_prose_check_reports_a_made_up_figure():
+    """Negative control: a figure in no source is named; traced, coded and tabled ones are not."""
+    sample = "\n".join([
+        "DSpark reached 2.03x plain (0.016 ECE, 45.7% MFU, 28.5 ms a round).",
+        "The drafter reached 9.87x plain here.",
+        "Run `--set optim.lr=3.21` on JAX 0.10.2 (DeepSeek-V4.1).",
+        "```", "speedup 7.77", "```",
+        BEGIN, "| a |", "| --- |", "| 6.66 |", END,
+        "Also 1.3e-7 and 4.4e-4.",
+    ])  # fmt: skip
+    numbers = {2.0312, 0.0164, 0.457, 0.02851, 1.3e-7}
+    assert untraced(sample, numbers) == ["line 2: 9.87", "line 12: 4.4e-4"]
+    assert untraced(sample, numbers, {"9.87": "made up", "4.4e-4": "made up"}) == []
+    assert [f for _, f, _ in figures(sample)] == [
+        "2.03", "0.016", "45.7", "28.5", "9.87", "1.3e-7", "4.4e-4",
+    ]  # fmt: skip
