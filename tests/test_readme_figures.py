@@ -151,6 +151,16 @@ def test_readme_results_row_numbers_come_from_the_json():
     assert f"{best['engram_2M']:.4f}" in _prose("experiments", "engram_vs_ffn", "README.md")
 
 
+def test_readme_quickstart_figures_are_the_committed_run():
+    """The results table's quickstart loss is experiments/quickstart/eval.json's, and the
+    quoted sample is in that run's samples.txt."""
+    ev = _json("experiments", "quickstart", "eval.json")
+    assert f"val loss **{ev['val_loss']:.4f}**" in _prose("README.md")
+    quote = re.search(r"A quickstart sample .*?\n\n((?:> .*\n?)+)", _read("README.md")).group(1)
+    text = " ".join(quote.replace("\n> ", " ").removeprefix("> ").split())
+    assert text in " ".join(_read("experiments", "quickstart", "samples.txt").split())
+
+
 # ----------------------------------------------------------------------------- prose
 #
 # A "decimal figure" is a number printed with a decimal point: 2.03, 0.016, 1.7x, 45.7%,
