@@ -101,8 +101,9 @@ def cmd_generate(args) -> int:
     min_p = args.min_p if args.min_p is not None else g.min_p
     seed = args.seed if args.seed is not None else g.seed
     prompts = args.prompt or [""]
-    # An empty prompt starts from the document separator, as every document does in training.
-    encoded = [[run.tokenizer.eos_id] + run.tokenizer.encode(p) for p in prompts]
+    # Each prompt starts as the model's documents do: after the separator (eos) for a v41jax
+    # run, with its tokenizer's template (Llama's BOS, Qwen's nothing) for an imported model.
+    encoded = [run.tokenizer.prompt_ids(p) for p in prompts]
     lengths = np.array([len(e) for e in encoded], np.int32)
     padded = np.zeros((len(encoded), int(lengths.max())), np.int32)
     for i, e in enumerate(encoded):

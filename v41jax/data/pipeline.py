@@ -1,7 +1,8 @@
 """From a `DataConfig` to packed, sharded, resumable batches.
 
 `prepare_data` loads and splits the corpus, trains (or loads) the tokenizer on the training split,
-tokenizes both splits into one flat stream each (every document followed by <|endoftext|>), and
+tokenizes both splits into one flat stream each (every document followed by the eos; an imported
+model's documents also start as its tokenizer starts a text, e.g. Llama's with BOS), and
 builds the Engram compression table. Token arrays are cached in the cache folder, keyed by the
 tokenizer and the split's content, so a warm start only reads two .npz files.
 
@@ -42,7 +43,9 @@ class PreparedData:
     """Tokenized train/validation streams plus the tokenizer and its compression table.
 
     `*_tokens`: int32 [N], documents concatenated, each followed by `tokenizer.eos_id` (the eos
-    belongs to its document). `*_segments`: int32 [N], index of the document of each token
+    belongs to its document) and, for a tokenizer whose texts start with a template's tokens
+    (Llama's BOS), starting with them (`document_start`).
+    `*_segments`: int32 [N], index of the document of each token
     (0, 0, ..., 1, 1, ...: non-decreasing, +1 at each document start).
     """
 
@@ -95,17 +98,27 @@ def _segments_from_lengths(doc_lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(len(doc_lengths), dtype=np.int32), doc_lengths)
 
 
+def document_start(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ids a stream puts before each document's text: the tokenizer's `document_prefix`
+    (Llama's BOS), except v41jax's own (eos,), which the eos ending the document before already
+    is (its streams are unchanged: document, eos, document, eos, ...)."""
+    prefix = tokenizer.document_prefix
+    return () if prefix == (tokenizer.eos_id,) else prefix
+
+
 def _tokenize_docs(
     tokenizer: Tokenizer, docs: Sequence[Document], desc: str, show_progress: bool
 ) -> tuple[np.ndarray, np.ndarray]:
-    """-> (tokens int32 [N], doc_lengths int64 [D]); lengths count each document's eos."""
+    """-> (tokens int32 [N], doc_lengths int64 [D]); lengths count each document's start
+    (`document_start`) and eos."""
     pieces: list[np.ndarray] = []
     eos = np.array([tokenizer.eos_id], dtype=np.int32)
+    start = np.array(document_start(tokenizer), dtype=np.int32)
     starts = range(0, len(docs), _ENCODE_CHUNK_DOCS)
     for s in tqdm(starts, desc=desc, unit="chunk", disable=not show_progress):
         for ids in tokenizer.encode_batch([d.text for d in docs[s : s + _ENCODE_CHUNK_DOCS]]):
-            pieces.extend((np.asarray(ids, dtype=np.int32), eos))
-    doc_lengths = np.array([len(p) for p in pieces[0::2]], dtype=np.int64) + 1
+            pieces.extend((start, np.asarray(ids, dtype=np.int32), eos))
+    doc_lengths = np.array([len(p) for p in pieces[1::3]], dtype=np.int64) + start.size + 1
     tokens = np.concatenate(pieces) if pieces else np.zeros(0, np.int32)
     return tokens, doc_lengths
 
@@ -114,8 +127,11 @@ def _load_or_tokenize(
     tokenizer: Tokenizer, docs: Sequence[Document], cache_dir: str, desc: str, show: bool
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cached `_tokenize_docs` -> (tokens int32 [N], segments int32 [N])."""
+    # streams cached before documents had a start hold none: those with one get their own key
+    start = document_start(tokenizer)
+    framing = f":start={list(start)}" if start else ""
     key = hashlib.sha256(
-        f"{_TOKENS_CACHE_VERSION}:{tokenizer.content_hash}:{_docs_hash(docs)}".encode()
+        f"{_TOKENS_CACHE_VERSION}{framing}:{tokenizer.content_hash}:{_docs_hash(docs)}".encode()
     ).hexdigest()[:16]
     path = os.path.join(cache_dir, f"tokens-{key}.npz")
     if os.path.isfile(path):

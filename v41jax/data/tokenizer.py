@@ -7,6 +7,11 @@ as the special id, so document boundaries come only from the data pipeline.
 
 `Tokenizer` also wraps any Hugging Face `tokenizer.json` (a pretrained model's): its
 end-of-document token is the one its `tokenizer_config.json` names, wherever its id is.
+
+What a text starts with belongs to the model (`Tokenizer.document_prefix`): a v41jax run
+trained on documents each following the eos of the one before, so its prompts start with eos;
+a pretrained model saw each text as its tokenizer's template frames it (Llama and Mistral a
+BOS `<s>` first, Qwen nothing), so its prompts and documents start with that template.
 """
 
 from __future__ import annotations
@@ -34,18 +39,27 @@ class Tokenizer:
     """A thin wrapper over `tokenizers.Tokenizer`: v41jax's own byte-level BPE (eos
     `<|endoftext|>` at id 0) or any Hugging Face `tokenizer.json`, whose end-of-document token
     `eos_token` names (`load` reads it from a `tokenizer_config.json` beside the file, the
-    Hugging Face convention, as `save` writes it)."""
+    Hugging Face convention, as `save` writes it).
 
-    def __init__(self, tok: tokenizers.Tokenizer, eos_token: str = EOS_TOKEN):
+    `hf`: the tokenizer is a Hugging Face model's (its texts start as its template says, see
+    `document_prefix`), not v41jax's own (each document follows an eos). Default: whether
+    `eos_token` is not v41jax's; `load` says True when a tokenizer_config.json is beside the
+    file (`import-hf` copies the model's), and `save` writes one for every HF tokenizer."""
+
+    def __init__(
+        self, tok: tokenizers.Tokenizer, eos_token: str = EOS_TOKEN, hf: bool | None = None
+    ):
         eos = tok.token_to_id(eos_token)
         if eos is None:
             raise ValueError(f"tokenizer has no eos token {eos_token!r} in its vocabulary")
         self.eos_token, self._eos_id = eos_token, eos
+        self.hf = eos_token != EOS_TOKEN if hf is None else hf
         # Not serialised by `tokenizers`, so set on every construction: special-token text in a
         # document stays text (see module docstring).
         tok.encode_special_tokens = True
         self._tok = tok
         self._content_hash: str | None = None
+        self._prefix: tuple[int, ...] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -54,6 +68,43 @@ class Tokenizer:
     @property
     def eos_id(self) -> int:
         return self._eos_id
+
+    @property
+    def document_prefix(self) -> tuple[int, ...]:
+        """The ids every document, and so every prompt, starts with, as the model was trained.
+
+        The tokenizer's template (tokenizer.json's post-processor, e.g. Llama's
+        TemplateProcessing "<s> $A") when it puts special tokens before a text: transformers
+        (5.x) encodes a text with it, ignoring tokenizer_config.json's add_bos_token when a
+        tokenizer.json exists, so a pretrained model saw every text start with them. Otherwise
+        (eos,) for v41jax's own tokenizer: its runs trained on documents that each follow the
+        eos of the one before (the data pipeline's streams), and () for a Hugging Face one
+        without a prefix (Qwen's: its texts start with their first token)."""
+        if self._prefix is None:
+            lead = self._template_lead()
+            self._prefix = lead or (() if self.hf else (self._eos_id,))
+        return self._prefix
+
+    def _template_lead(self) -> tuple[int, ...]:
+        """The special tokens the template puts before a text's first token: those before the
+        first non-special one of a probe text (any text the vocabulary encodes)."""
+        added = self._tok.get_added_tokens_decoder()
+        probes = ["a"] + [self._tok.id_to_token(i) for i in range(min(self.vocab_size, 64))
+                          if i not in added]  # fmt: skip
+        for text in probes:
+            try:
+                enc = self._tok.encode(text, add_special_tokens=True)
+            except Exception:  # e.g. a WordLevel without an unk token: not one of its words
+                continue
+            if 0 in enc.special_tokens_mask:
+                return tuple(enc.ids[: enc.special_tokens_mask.index(0)])
+        return ()
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """`document_prefix` then `text`'s ids: a prompt as the model's documents start. An
+        empty prompt of a tokenizer without a prefix (Qwen's) is [eos]: the model's documents
+        follow one (the data pipeline's streams), and a prompt needs a token."""
+        return [*self.document_prefix, *self.encode(text)] or [self._eos_id]
 
     @property
     def content_hash(self) -> str:
@@ -93,9 +144,10 @@ class Tokenizer:
 
     def save(self, path: str) -> None:
         """Write the tokenizer JSON atomically (a reader never sees a half-written file), and
-        a tokenizer_config.json naming the eos token beside it when it is not v41jax's."""
+        a tokenizer_config.json naming the eos token beside it when it is a Hugging Face one
+        (`hf`: `load` then knows it for one, though its eos be `<|endoftext|>`)."""
         atomic_write(path, self._tok.save)
-        if self.eos_token != EOS_TOKEN:
+        if self.hf:
             side = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG)
             text = json.dumps({"eos_token": self.eos_token})
 
@@ -108,16 +160,18 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str) -> Tokenizer:
         """A tokenizer.json; its eos token from a tokenizer_config.json beside it (its
-        "eos_token", a string or {"content": ...}), else `<|endoftext|>`."""
+        "eos_token", a string or {"content": ...}), else `<|endoftext|>`. With that file it is
+        a Hugging Face tokenizer (`hf`), without it v41jax's own."""
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file {path!r} does not exist")
         eos = EOS_TOKEN
         side = os.path.join(os.path.dirname(path), TOKENIZER_CONFIG)
-        if os.path.isfile(side):
+        hf = os.path.isfile(side)
+        if hf:
             with open(side) as f:
                 named = json.load(f).get("eos_token") or EOS_TOKEN
             eos = named["content"] if isinstance(named, dict) else str(named)
-        return cls(tokenizers.Tokenizer.from_file(path), eos)
+        return cls(tokenizers.Tokenizer.from_file(path), eos, hf=hf)
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, hash={self.content_hash[:12]})"
