@@ -99,8 +99,12 @@ def _open_run(cfg, workdir, target, record, resuming, init_from, frozen) -> _Run
     opt, new_state, shardings, abstract = drafter_state_fns(cfg, tcfg.model, frozen, target.mesh)
     update = T.make_update(cfg, tcfg.model, opt, shardings, target.mesh)
     data_state = None
-    if start:
-        state, data_state = restore_drafter_state(ckpt, start, abstract, cfg)
+    if start:  # the newest checkpoint that reads: a damaged one is named and set aside
+        start, (state, data_state) = ckpt.restore_newest_intact(
+            lambda s: restore_drafter_state(ckpt, s, abstract, cfg),
+            set_aside=True,
+            quiet=jax.process_index() != 0,
+        )
     elif init_from:
         state = new_state(T.load_drafter(init_from, target=target, check=False)[1])
     else:

@@ -14,19 +14,56 @@ training continues; the next save, `wait` and `close` wait for it. A step is on 
 when it is complete in that sense (what `latest_checkpoint_step` reads), so a
 SIGKILL during a background write resumes from the previous checkpoint, exactly. Saves that
 carry host tables (numpy arrays the next steps update in place) are waited for.
+
+A damaged step (a file cut short or lost after it was written) is found when its restore
+raises and `damage` cannot read part of it back on its own terms: `restore_newest_intact`
+names it and falls back to the newest step that restores, setting the damaged one aside
+(`checkpoints/damaged/<step>-<time>`, never deleted) when the caller may write.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from v41jax.model.layout import convert_layout, layout_of, segments_of
 from v41jax.train.workdir import as_path, is_local
+
+ITEMS = ("state", "data")  # every step has these; "host_tables" only some
+NAMED_ARRAYS = 3  # unreadable arrays named in a message; the rest are counted
+
+
+class DamagedCheckpointError(ValueError):
+    """No checkpoint to use is intact: every one (or the one asked for) is damaged."""
+
+
+def _is_array(x: Any) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _brief(e: BaseException) -> str:
+    """An exception in one line: its type and the first line of its text, without the
+    tensorstore spec orbax appends (kilobytes of JSON)."""
+    text = str(e).split(" [tensorstore_spec")[0].strip()
+    line = text.splitlines()[0][:200] if text else ""
+    files = re.findall(r'local file "([^"]*[^/"])"', text)  # the file itself, when it says
+    if files and files[-1] not in line:
+        line += f" ... {files[-1]}"
+    return f"{type(e).__name__}: {line}"
+
+
+def _warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr)
 
 
 class Checkpointer:
@@ -130,6 +167,147 @@ class Checkpointer:
             ),
         )
         return restored["state"], dict(restored["data"])
+
+    def damage(self, step: int, error: BaseException | None = None) -> str | None:
+        """What of checkpoint `step` cannot be read back as it was written (one line: the
+        file or arrays, and the error), or None when all of it can. `error`: what the
+        failed restore raised, quoted where the reader itself cannot say more.
+
+        The step is read on its own terms: each JSON file orbax wrote must parse, and each
+        array item must read from its saved metadata, one array at a time into host memory
+        and into no model. A step that a restore refuses because the model or config differs
+        from it reads fine here (a mismatch, not damage). Only called after a restore failed,
+        so the good path never pays for this second read."""
+        directory = self.path / str(step)
+        present = {p.name for p in directory.iterdir()} if directory.exists() else set()
+        if missing := [i for i in ITEMS if i not in present]:
+            return f"{directory} lacks its {' and '.join(missing)} item"
+        for item in ("data", "state", "host_tables"):
+            if item in present and (problem := self._item_damage(step, item, error)):
+                return problem
+        return None
+
+    def _item_damage(self, step: int, item: str, error: BaseException | None) -> str | None:
+        directory = self.path / str(step) / item
+        files = [directory / "metadata", directory / "_METADATA", directory / "_sharding"]
+        if (directory / "array_metadatas").exists():
+            files += sorted((directory / "array_metadatas").iterdir())
+        for path in files:  # orbax's JSON files: one cut short no longer parses
+            if path.exists():
+                try:
+                    json.loads(path.read_text())
+                except (ValueError, UnicodeDecodeError) as e:
+                    return f"{os.fspath(path)} is not valid JSON ({_brief(e)})"
+        if item == "data":
+            return None
+        try:
+            tree = self.manager.item_metadata(step)[item]
+            tree = getattr(tree, "tree", tree)
+            names = [x.name for x in jax.tree.leaves(tree, is_leaf=_is_array)]
+        except Exception as e:
+            names, error = [], error or e
+        if not names:
+            why = f" ({_brief(error)})" if error is not None else ""
+            return f"the metadata of {os.fspath(directory)} cannot be read{why}"
+        as_numpy = ocp.RestoreArgs(restore_type=np.ndarray)
+        bad, first = [], None
+        for name in names:  # one array at a time: the damaged ones are named, memory bounded
+
+            def pick(value, name=name):  # this array's `value`, a placeholder for the others
+                return lambda m: value(m) if m.name == name else ocp.PLACEHOLDER
+
+            only = ocp.args.PyTreeRestore(
+                item=jax.tree.map(pick(lambda m: m), tree, is_leaf=_is_array),
+                restore_args=jax.tree.map(pick(lambda m: as_numpy), tree, is_leaf=_is_array),
+            )
+            try:
+                with ocp.PyTreeCheckpointer() as reader:
+                    reader.restore(directory, args=only)
+            except Exception as e:
+                bad.append(name)
+                first = first or _brief(e)
+        if not bad:
+            return None
+        more = f" and {len(bad) - NAMED_ARRAYS} more" if len(bad) > NAMED_ARRAYS else ""
+        return (
+            f"{item} arrays {', '.join(bad[:NAMED_ARRAYS])}{more} in {os.fspath(directory)} "
+            f"cannot be read ({first})"
+        )
+
+    def restore_newest_intact(
+        self,
+        restore: Callable[[int], Any],
+        *,
+        set_aside: bool,
+        steps: list[int] | None = None,
+        quiet: bool = False,
+    ) -> tuple[int, Any] | None:
+        """`(step, restore(step))` for the newest of `steps` (default: every checkpoint)
+        whose restore succeeds; None when there are none.
+
+        A step whose restore raises and that `damage` finds unreadable is damaged: a warning on
+        stderr names it (not when `quiet`: processes other than 0), and the next older step
+        is tried. `set_aside` (a command that may write the run: train) moves each damaged
+        step to checkpoints/damaged/<step>-<time> (kept, never deleted; orbax no longer lists
+        it, so the run saves that step anew); otherwise it stays where it is. A restore that
+        fails on a readable step (the model or config does not match the checkpoint) raises
+        as it is: older steps would fail alike. When every step tried is damaged:
+        DamagedCheckpointError naming each, nothing moved.
+
+        `restore` should read everything the caller takes from the step (the state and any
+        host tables), so that all of it comes from the one step that restored."""
+        damaged: list[tuple[int, str]] = []
+        for step in sorted(self.all_steps() if steps is None else steps, reverse=True):
+            try:
+                out = restore(step)
+            except Exception as e:
+                try:
+                    what = self.damage(step, e)
+                except Exception:  # the check itself failed: the restore's own error stands
+                    what = None
+                if what is None:
+                    raise
+                damaged.append((step, what))
+                continue
+            for bad, what in damaged:
+                where = self._set_aside(bad, what) if set_aside else "left in place (read-only)"
+                if not quiet:
+                    _warn(f"checkpoint {bad} in {self.directory} is damaged ({what}); {where}; "
+                         f"using step {step}, the newest intact checkpoint")  # fmt: skip
+            if damaged and set_aside:
+                if jax.process_count() > 1:  # every process lists the same steps from here
+                    ocp.multihost.sync_global_processes("v41jax_damaged_set_aside")
+                self.manager.reload()
+            return step, out
+        if not damaged:
+            return None
+        listed = "; ".join(f"step {s}: {what}" for s, what in damaged)
+        if steps is not None:
+            raise DamagedCheckpointError(
+                f"checkpoint {listed} in {self.directory} is damaged (the run has steps "
+                f"{self.all_steps()}): ask for another step, or restore it from a copy"
+            )
+        raise DamagedCheckpointError(
+            f"no intact checkpoint in {self.directory}: {listed}. Nothing was changed: restore "
+            "these steps from a copy, or move the checkpoints directory away to start the run "
+            "over from step 0"
+        )
+
+    def _set_aside(self, step: int, what: str) -> str:
+        """Move damaged step `step` to checkpoints/damaged/<step>-<UTC time> (process 0);
+        returns where, for the message."""
+        target = self.path / "damaged" / f"{step}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        if jax.process_index() == 0:
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                (self.path / str(step)).rename(target)
+            except Exception as e:
+                raise DamagedCheckpointError(
+                    f"checkpoint {step} in {self.directory} is damaged ({what}) and could not "
+                    f"be set aside as {os.fspath(target)} ({_brief(e)}): move it out of "
+                    f"{self.directory} yourself and rerun"
+                ) from e
+        return f"set aside as {os.fspath(target)}"
 
     def close(self) -> None:
         self.manager.wait_until_finished()

@@ -237,8 +237,18 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
                 source_tables = host_table_arrays(params)
                 params, _ = split_tables(params)
             state = state.replace(params=jax.device_put(params, shardings.params))
-    else:
-        state, extra = checkpointer.restore(start, abstract)
+    else:  # the newest checkpoint that reads: a damaged one is named and set aside
+
+        def restore(step: int) -> tuple:  # Engram host tables from the same step as the state
+            state, extra = checkpointer.restore(step, abstract)
+            tables = None
+            if uses_host_tables(cfg):
+                tables = start_host_tables(cfg, checkpointer, step, None, os.fspath(workdir))
+            return state, extra, tables
+
+        start, (state, extra, host) = checkpointer.restore_newest_intact(
+            restore, set_aside=True, quiet=not main
+        )
         iterator.restore(extra["iterator"])
         if main:
             print(f"resumed from {checkpointer.directory}/{start}")
@@ -251,13 +261,16 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
     eval_step = make_eval_step(cfg, mesh, model, shardings.params)
     prepare = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)
     if uses_host_tables(cfg):  # rows gathered with the batch, in the prefetch thread
-        host = start_host_tables(cfg, checkpointer, start, source_tables, os.fspath(workdir))
+        if host is None:  # a new run (a resumed one restored them with its state)
+            host = start_host_tables(cfg, checkpointer, start, source_tables, os.fspath(workdir))
         prepare = lambda b, add=prepare: host.gather(add(b))  # noqa: E731
         step_fn = functools.partial(host_step, train_step, host, cfg, mesh)
     else:
         step_fn = lambda state, b: train_step(state, device_batch(mesh, b))  # noqa: E731
     batches = PrefetchingBatches(iterator, prepare)
-    log = RunLog(workdir, start, enabled=main, tensorboard=cfg.train.tensorboard)
+    # the trained steps' cadence (config.json as it was) finds train lines the log lacks
+    log = RunLog(workdir, start, enabled=main, tensorboard=cfg.train.tensorboard,
+                 cadence=Cadence.of((saved or cfg).train))  # fmt: skip
     profiler = Profiler(cfg.train.profile_steps if main else "", workdir / "profile")
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     cadence, steps = Cadence.of(cfg.train), cfg.train.steps
@@ -320,7 +333,8 @@ def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> 
 def evaluate_run(
     workdir: str | os.PathLike, num_batches: int | None = None, progress: bool = False
 ) -> dict:
-    """Validation loss of the latest checkpoint in `workdir`."""
+    """Validation loss of the newest intact checkpoint in `workdir`, and its "step" (a
+    damaged newer one is named on stderr and left as it is: `load_run`)."""
     run = load_run(workdir)
     data = load_data(run.cfg.data, show_progress=progress, tokenizer=run.tokenizer)
     eval_step = make_eval_step(run.cfg, run.mesh, run.model, run.param_shardings)

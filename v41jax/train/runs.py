@@ -42,7 +42,9 @@ class LoadedRun:
 def load_run(
     workdir: str | os.PathLike, step: int | None = None, tables: str = "auto"
 ) -> LoadedRun:
-    """The config, tokenizer and params of a trained run (latest checkpoint by default).
+    """The config, tokenizer and params of a trained run: checkpoint `step`, or by default
+    the newest one that reads (a damaged newer one is named on stderr and left in place:
+    `LoadedRun.step` says which step this is).
 
     tables: where the Engram tables go for evaluation and decoding: "device" (params),
     "host" (host memory, read through `HostRows` callbacks: `v41jax.model.host_params`), or
@@ -71,29 +73,39 @@ def load_run(
     mesh = make_mesh(cfg.mesh)
     model, _, _, shardings, abstract = make_state_fns(cfg, mesh)
     checkpointer = Checkpointer(workdir / "checkpoints", cfg.train.keep_checkpoints)
-    step = checkpointer.latest_step() if step is None else step
-    if step is None or step not in checkpointer.all_steps():
-        have = checkpointer.all_steps()
+    have = checkpointer.all_steps()
+    if step is not None and step not in have:
         raise FileNotFoundError(
             f"no checkpoint of step {step} in {checkpointer.directory} (have {have})"
-            if step is not None
-            else f"no checkpoints in {checkpointer.directory}: train the run first"
         )
-    state, _ = checkpointer.restore(step, abstract)
-    params = state.params
     trained_on_host = uses_host_tables(cfg)
+    if trained_on_host and uses_table_files(cfg) and not is_local(workdir):
+        raise ValueError(
+            f"{workdir}: model.engram.table_path={cfg.model.engram.table_path!r} "
+            "tables are memory-mapped local files, and this workdir is not local"
+        )
+
+    def restore(s: int) -> tuple:  # the params and the Engram host tables of step s
+        state, _ = checkpointer.restore(s, abstract)
+        if not trained_on_host:
+            return state.params, None
+        if uses_table_files(cfg):  # memory-mapped, as of checkpoint `s`
+            return state.params, read_only_tables(cfg, os.fspath(workdir), s)
+        restored = start_host_tables(cfg, checkpointer, s).tables
+        return state.params, {k: HostTable(t) for k, t in restored.items()}
+
+    # read-only: a damaged newest step is named and left in place (`train` sets it aside)
+    found = checkpointer.restore_newest_intact(
+        restore,
+        set_aside=False,
+        steps=None if step is None else [step],
+        quiet=jax.process_index() != 0,
+    )
+    if found is None:
+        raise FileNotFoundError(f"no checkpoints in {checkpointer.directory}: train the run first")
+    step, (params, host) = found
     on_host = tables == "host" or (tables == "auto" and trained_on_host)
     if trained_on_host:  # evaluation and decoding read the tables as params
-        if uses_table_files(cfg):  # memory-mapped, as of checkpoint `step`
-            if not is_local(workdir):
-                raise ValueError(
-                    f"{workdir}: model.engram.table_path={cfg.model.engram.table_path!r} "
-                    "tables are memory-mapped local files, and this workdir is not local"
-                )
-            host = read_only_tables(cfg, os.fspath(workdir), step)
-        else:
-            restored = start_host_tables(cfg, checkpointer, step).tables
-            host = {k: HostTable(t) for k, t in restored.items()}
         engram = dataclasses.replace(cfg.model.engram, table_placement="device", table_path="")
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
         model, _, _, shardings, _ = make_state_fns(cfg, mesh)
