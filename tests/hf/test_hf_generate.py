@@ -6,6 +6,7 @@ BOS, Qwen's nothing), not with v41jax's document separator. The data that `eval`
 drafter's training read starts each document the same way, and a drafter of the imported
 model decodes to the same tokens."""
 
+import dataclasses
 import json
 import math
 import os
@@ -182,3 +183,23 @@ def test_eval_and_a_drafter_of_an_imported_model(imported, tmp_path):
     tok = Tokenizer.load(os.path.join(work, "tokenizer.json"))
     want = [_cut(p["greedy"], golden["eos_id"]) for p in golden["prompts"]]
     assert _continuations(spec.stdout, tok, prompts) == want
+
+
+def test_a_token_dir_prepared_before_framing_is_refused(imported, tmp_path):
+    """A Llama token dir whose manifest records no document start (prepared before documents
+    were framed with the BOS) holds streams the model never saw: loading it is refused by name;
+    the same folder as written loads."""
+    import shutil
+
+    from v41jax import config as config_lib
+    from v41jax.data import load_data
+
+    old = tmp_path / "old"
+    shutil.copytree(imported["llama"][1], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    assert manifest.pop("document_start") == [1]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    cfg = config_lib.load_json(os.path.join(imported["llama"][0], "config.json"))
+    assert load_data(cfg.data).tokenizer.document_prefix == (1,)  # the folder as written
+    with pytest.raises(ValueError, match=r"old: its documents start with ids \[\], .* \[1\]"):
+        load_data(dataclasses.replace(cfg.data, token_dir=str(old)))

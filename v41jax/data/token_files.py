@@ -6,7 +6,8 @@ load the tokenizer, tokenize) once and writes what training needs into DIR:
     manifest.json              format version, dtype, token and document counts, the corpus,
                                tokenizer and stream hashes, the data config it was made with
     train_tokens.npy           uint16 [N] (vocab_size <= 65,536), else uint32: the documents
-    validation_tokens.npy      concatenated, each followed by <|endoftext|>, as in memory
+    validation_tokens.npy      concatenated, each followed by the eos (and, for an imported
+                               model's tokenizer, started by its template: `document_start`)
     train_doc_offsets.npy      int64 [D + 1]: document d is tokens[offsets[d]:offsets[d + 1]]
     validation_doc_offsets.npy (segment ids and positions are rebuilt from them per batch)
     tokenizer.json             the BPE tokenizer
@@ -49,6 +50,7 @@ from v41jax.data.pipeline import (
     PreparedData,
     check_split_sizes,
     prepare_data,
+    document_start,
     stream_sha256,
 )
 from v41jax.data.tokenizer import Tokenizer
@@ -149,6 +151,7 @@ def write_token_dir(
             "vocab_size": data.tokenizer.vocab_size,
             "eos_id": data.tokenizer.eos_id,
             "tokenizer_sha256": data.tokenizer.content_hash,
+            "document_start": list(document_start(data.tokenizer)),
             "corpus_sha256": data.corpus_sha256,
             "compression": compression,
             "splits": splits,
@@ -241,6 +244,15 @@ def load_token_dir(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Prepa
         raise _fail(where, f"tokenizer.json is unreadable ({e})") from None
     if stored.content_hash != manifest["tokenizer_sha256"]:
         raise _fail(where, "tokenizer.json is not the tokenizer its tokens were made with")
+    # Folders written before documents were started with the template hold none ([]).
+    framed, expected = manifest.get("document_start", []), list(document_start(stored))
+    if framed != expected:
+        raise _fail(
+            where,
+            f"its documents start with ids {framed}, but its tokenizer starts a text with "
+            f"{expected} (a folder prepared before imported models' documents were framed "
+            "by their tokenizer's template): its token streams are not the model's",
+        )
     if tokenizer is not None and tokenizer.content_hash != stored.content_hash:
         raise ValueError(
             f"data.token_dir={where} was tokenized with tokenizer "
