@@ -61,7 +61,9 @@ def _load_config(args) -> config_lib.Config:
 
 def cmd_train(args) -> int:
     from v41jax.train import train
+    from v41jax.train.workdir_kind import require_kind
 
+    require_kind(args.workdir, "train")  # before its config.json is read as a run's
     cfg = _load_config(args)
     result = train(cfg, args.workdir, progress=not args.no_progress)
     print(json.dumps(result, indent=2))
@@ -70,7 +72,9 @@ def cmd_train(args) -> int:
 
 def cmd_prepare_data(args) -> int:
     from v41jax.data import Tokenizer, write_token_dir
+    from v41jax.train.workdir_kind import require_kind
 
+    require_kind(args.out, "prepare-data")  # a new or empty folder, before the corpus is read
     cfg = config_lib.override(config_lib.get_config(args.config or "small"), args.overrides)
     tokenizer = Tokenizer.load(args.tokenizer) if args.tokenizer else None
     out = write_token_dir(cfg, args.out, tokenizer=tokenizer, show_progress=not args.no_progress)

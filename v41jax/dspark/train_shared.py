@@ -13,6 +13,7 @@ drafter: a drafter that is further along skips the steps it has already taken.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -37,6 +38,8 @@ from v41jax.train.batches import add_engram_ids
 from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.step import device_batch
 from v41jax.train.steploop import Cadence, RunLog, run_steps
+from v41jax.train.workdir_kind import require_kind
+from v41jax.train.workdir_lock import workdir_lock
 
 # What fixes the batch and anchors: drafters sharing a target pass must agree on these.
 SHARED_FIELDS = ("seed", "batch_size", "anchors_per_seq", "data_paths")
@@ -124,10 +127,28 @@ def train_drafters(
     """Train (or resume) every drafter `cfgs[workdir]` in its workdir against the target in
     `target_workdir`, one frozen-target pass per step for all of them. Returns {workdir:
     final evaluation} (`{"step": s, "stopped": True}` for runs stopped by a signal; a finished
-    run returns its saved eval.json). Every check runs before the first write."""
+    run returns its saved eval.json). Every check runs before the first write.
+
+    First, from the folders' files alone (`v41jax.train.workdir_kind`): each drafter workdir
+    is new, empty or a drafter run, the target a train run or an imported model, each
+    `init_from` a drafter run. Then each drafter workdir's lock is taken
+    (`v41jax.train.workdir_lock`: one writer per workdir) and held to the end; a refusal
+    while holding them leaves the folders as they were."""
     if not cfgs:
         raise ValueError("no drafters to train")
-    init_from = init_from or {}
+    require_kind(target_workdir, "target")
+    for workdir in cfgs:
+        require_kind(workdir, "train-drafter")
+    for source in (init_from or {}).values():
+        require_kind(source, "drafter-init")
+    with contextlib.ExitStack() as locks:
+        for workdir in cfgs:
+            locks.enter_context(workdir_lock(workdir, "train-drafter"))
+        return _train_drafters_locked(cfgs, target_workdir, init_from or {}, progress)
+
+
+def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[str, dict]:
+    """`train_drafters`' body, run while holding every drafter workdir's lock."""
     target = load_run(target_workdir)
     tcfg = target.cfg
     shared, layers = _check_shared(cfgs, tcfg.model.num_layers)

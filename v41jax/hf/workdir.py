@@ -29,6 +29,7 @@ from v41jax.train import load_run
 from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.state import TrainState, make_state_fns
 from v41jax.train.workdir import as_path, save_config, write_via_local
+from v41jax.train.workdir_kind import require_kind
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -61,11 +62,12 @@ def load_hf_tokenizer(hf_dir: str) -> Tokenizer:
 
 
 def import_hf(hf_dir: str, workdir: str, base: str = "small", overrides: list[str] = ()) -> dict:
-    """Write the v41jax workdir of the HF model in `hf_dir`; returns a summary. Refuses a
-    workdir that already holds a run (nothing is overwritten)."""
+    """Write the v41jax workdir of the HF model in `hf_dir`; returns a summary. `workdir`
+    must be new or empty (`v41jax.train.workdir_kind`: a run, a drafter run or any other
+    folder is refused by name before anything is read; nothing is overwritten). The import
+    is recognised later by its checkpoint 0, whose "data" item records `imported_from`."""
+    require_kind(workdir, "import-hf")
     out = as_path(workdir)
-    if (out / "config.json").exists():
-        raise FileExistsError(f"{workdir} already holds a run (config.json): choose a new one")
     tok = load_hf_tokenizer(hf_dir)
     cfg = imported_config(hf_dir, base, overrides, tok)
     mesh = make_mesh(cfg.mesh)
@@ -97,9 +99,11 @@ def import_hf(hf_dir: str, workdir: str, base: str = "small", overrides: list[st
 
 def export_hf(workdir: str, out_dir: str, family: str, step: int | None = None) -> list[str]:
     """Write the run in `workdir` (latest or `step` checkpoint) as an HF `family` model
-    directory, its tokenizer files beside; returns the files written."""
-    if os.path.exists(os.path.join(out_dir, "config.json")):
-        raise FileExistsError(f"{out_dir} already holds a model (config.json)")
+    directory, its tokenizer files beside; returns the files written. `out_dir` must be new
+    or empty and `workdir` a train run or an imported model (`v41jax.train.workdir_kind`),
+    checked before anything is loaded."""
+    require_kind(workdir, "export-source")
+    require_kind(out_dir, "export-hf")
     run = load_run(workdir, step, tables="device")
     files = save_hf(run.params, run.cfg.model, family, out_dir)
     for name in TOKENIZER_FILES:

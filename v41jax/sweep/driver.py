@@ -44,6 +44,8 @@ from v41jax.model.accounting import param_accounting
 from v41jax.sweep.analysis import ANALYSES, run_analysis
 from v41jax.train import train
 from v41jax.train.metrics import read_metrics
+from v41jax.train.workdir_kind import require_kind
+from v41jax.train.workdir_lock import check_unlocked, workdir_lock
 
 RESULT_FILE, DONE_FILE = "result.json", "done.json"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+=-]*")
@@ -157,7 +159,9 @@ def experiment_dirs(
 
 
 def record_setting(runs_dir: str, sweep_file: str, setting: str) -> None:
-    """Write (or check) `<runs_dir>/sweep.json`: a runs dir holds the runs of one setting."""
+    """Write (or check) `<runs_dir>/sweep.json`: a runs dir holds the runs of one setting.
+    `runs_dir` must be new, empty or a sweep's runs (`v41jax.train.workdir_kind`)."""
+    require_kind(runs_dir, "sweep")
     path = os.path.join(runs_dir, SWEEP_FILE)
     record = {"sweep_file": os.path.basename(sweep_file), "setting": setting}
     if os.path.exists(path):
@@ -283,8 +287,14 @@ def _write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)  # atomic: a kill never leaves half a marker
 
 
-def check_workdir_config(spec: RunSpec, workdir: str) -> None:
-    """Raise ValueError if `workdir` holds a run of a different config than `spec`."""
+def check_workdir_config(spec: RunSpec, workdir: str, writing: bool = True) -> None:
+    """Raise ValueError if `workdir` holds a run of a different config than `spec`, or
+    anything but a train run (`v41jax.train.workdir_kind`: a drafter run, token files, ...);
+    when `writing`, also `WorkdirLocked` if another process is writing it (read-only checks,
+    so a sweep refuses before it writes anything, sweep.json included)."""
+    require_kind(workdir, "sweep-cell")
+    if writing:
+        check_unlocked(workdir)
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         return
@@ -307,23 +317,27 @@ def is_done(spec: RunSpec, workdir: str) -> bool:
     """Finished: done marker, result.json and the final checkpoint, with the same config."""
     if not os.path.exists(os.path.join(workdir, DONE_FILE)):
         return False
-    check_workdir_config(spec, workdir)
+    check_workdir_config(spec, workdir, writing=False)
     final_ckpt = os.path.join(workdir, "checkpoints", str(spec.cfg.train.steps))
     return os.path.isdir(final_ckpt) and os.path.exists(os.path.join(workdir, RESULT_FILE))
 
 
 def run_one(spec: RunSpec, runs_dir: str, *, progress: bool = True) -> dict | None:
-    """Train (or resume) one run, then result.json, its analyses and the done marker.
-    Returns the result, or None when a signal stopped training (checkpoint saved)."""
+    """Train (or resume) one run, then result.json, its analyses and the done marker, all
+    while holding the run's workdir lock (`v41jax.train.workdir_lock`; train takes it again,
+    re-entrantly). Returns the result, or None when a signal stopped training (checkpoint
+    saved)."""
     workdir = spec.workdir(runs_dir)
     check_workdir_config(spec, workdir)
-    final_eval = train(spec.cfg, workdir, progress=progress)
-    if final_eval.get("stopped"):
-        return None
-    result = write_result(spec, workdir, final_eval)
-    for name in spec.eval_only_analysis:
-        run_analysis(name, workdir)
-    _write_json(os.path.join(workdir, DONE_FILE), {"eval": final_eval, "finished": time.time()})
+    with workdir_lock(workdir, "sweep"):
+        final_eval = train(spec.cfg, workdir, progress=progress, role="sweep-cell")
+        if final_eval.get("stopped"):
+            return None
+        result = write_result(spec, workdir, final_eval)
+        for name in spec.eval_only_analysis:
+            run_analysis(name, workdir)
+        done = {"eval": final_eval, "finished": time.time()}
+        _write_json(os.path.join(workdir, DONE_FILE), done)
     return result
 
 
@@ -336,6 +350,7 @@ def run_sweep(
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit={limit} must be >= 0")
+    require_kind(runs_dir, "sweep")
     for spec in specs:  # refuse a conflicting run dir before training anything
         check_workdir_config(spec, spec.workdir(runs_dir))
     out: dict = {"trained": [], "skipped": [], "stopped": False, "pending": []}

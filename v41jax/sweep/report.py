@@ -40,6 +40,7 @@ from v41jax.sweep.tables import (  # noqa: F401  (ACCOUNTING_KEYS, render_*: re-
     render_from_results,
     render_tables,
 )
+from v41jax.train.workdir_kind import require_kind
 
 SUMMARY_KEYS = (
     "study",
@@ -194,9 +195,13 @@ def write_report(
     echo: bool = True,
 ):
     """Regenerate `out_dir` (default `<experiment_dir>/results/`) from `runs_dir`; returns
-    {name: path}. `setting` (the sweep's, when known) goes into every summary row."""
-    rows = collect_runs(runs_dir)
+    {name: path}. `setting` (the sweep's, when known) goes into every summary row.
+    `runs_dir` must hold a sweep's runs and `out_dir` be new, empty or a report's output
+    (`v41jax.train.workdir_kind`), checked before anything is read or written."""
     out_dir = out_dir or os.path.join(experiment_dir, "results")
+    require_kind(runs_dir, "report-runs")
+    require_kind(out_dir, "report")
+    rows = collect_runs(runs_dir)
     os.makedirs(out_dir, exist_ok=True)
     # the issue's keys first, then the rest; workdirs relative, so the file is portable
     summary = [

@@ -56,6 +56,8 @@ from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
 from v41jax.train.steploop import Cadence, RunLog, run_steps
 from v41jax.train.workdir import as_path, check_local_features, write_text_atomic
+from v41jax.train.workdir_kind import require_kind
+from v41jax.train.workdir_lock import workdir_lock
 
 
 def maybe_initialize_distributed() -> None:
@@ -173,10 +175,30 @@ def _init_source(cfg: Config) -> LoadedRun:
     return source
 
 
-def train(cfg: Config, workdir: str | os.PathLike, *, progress: bool = True) -> dict:
+def train(
+    cfg: Config, workdir: str | os.PathLike, *, progress: bool = True, role: str = "train"
+) -> dict:
     """Train (or resume) the run in `workdir` (a local path, or any URL `etils.epath` and
     orbax support, e.g. gs://bucket/run: `v41jax.train.workdir`); returns the final
-    evaluation."""
+    evaluation.
+
+    `workdir` must be new, empty or a train run: any other kind of folder (a drafter run, an
+    imported model, a sweep's runs, token files, ...) is refused by name before anything is
+    read or written (`v41jax.train.workdir_kind`). An imported model is fine-tuned into a
+    new workdir with train.init_from, not trained in place. role="sweep-cell" (the sweep's
+    cells) also takes a run a sweep finished. One writer per workdir: its lock
+    (`v41jax.train.workdir_lock`) is held from before the first write to the end, released
+    on any exception, and a refusal while holding it leaves the folder as it was."""
+    maybe_initialize_distributed()
+    require_kind(workdir, role)
+    if cfg.train.init_from:
+        require_kind(cfg.train.init_from, "init-from")
+    with workdir_lock(workdir, "sweep" if role == "sweep-cell" else role):
+        return _train_locked(cfg, workdir, progress=progress)
+
+
+def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) -> dict:
+    """`train`'s body, run while holding the workdir's lock."""
     maybe_initialize_distributed()
     enable_compilation_cache(cfg)
     main = jax.process_index() == 0
