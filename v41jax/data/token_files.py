@@ -49,8 +49,8 @@ from v41jax.data.compression import CompressionTable, build_compression_table
 from v41jax.data.pipeline import (
     PreparedData,
     check_split_sizes,
-    prepare_data,
     document_start,
+    prepare_data,
     stream_sha256,
 )
 from v41jax.data.tokenizer import Tokenizer
