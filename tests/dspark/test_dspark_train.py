@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 
 from v41jax import config as config_lib
+from v41jax.__main__ import main
 from v41jax.dspark.config import DrafterRunConfig
 from v41jax.dspark.self_text import write_target_samples
 from v41jax.dspark.train import load_drafter, train_drafter
 from v41jax.train import load_run, train
+from v41jax.train.checkpoint import DamagedCheckpointError
+from v41jax.train.metrics import read_metrics
 
 SETTINGS = [
     "drafter.num_layers=1",
@@ -318,3 +321,62 @@ def test_a_checkpoint_of_the_earlier_optimizer_structure_resumes_exactly(target,
     train_drafter(drafter_cfg(), target, workdir, progress=False)
     again = _leaves(load_drafter(workdir)[1])
     assert all(np.array_equal(a, b) for a, b in zip(final, again, strict=True))
+
+
+def _cut(path, keep=None):
+    """Cut the file at `path` to its first `keep` bytes (default half)."""
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2 if keep is None else keep)
+
+
+def test_a_damaged_drafter_checkpoint_is_named_and_left_in_place(drafter, capsys):
+    """load_drafter (generate --drafter) reads as load_run does: checkpoint 8 cut, step 4."""
+    workdir = _copy(drafter, "damaged")
+    state = os.path.join(workdir, "checkpoints", "8", "state")
+    _cut(max((os.path.join(r, f) for r, _, fs in os.walk(state) for f in fs),
+             key=os.path.getsize))  # fmt: skip
+    before = _snapshot(workdir)
+    capsys.readouterr()
+    _, params, record = load_drafter(workdir)
+    err = capsys.readouterr().err
+    assert record["step"] == 4 and "checkpoint 8 in" in err and "using step 4" in err, err
+    assert "is damaged" in err and "left in place" in err, err
+    step4 = _leaves(load_drafter(drafter[0], step=4)[1])
+    assert all(np.array_equal(a, b) for a, b in zip(_leaves(params), step4, strict=True))
+    with pytest.raises(DamagedCheckpointError, match=r"checkpoint step 8: .* is damaged"):
+        load_drafter(workdir, step=8)
+    assert _snapshot(workdir) == before  # read-only: nothing renamed
+
+
+def test_a_drafter_resume_names_the_train_lines_its_log_lacks(target, drafter, capsys):
+    """The log cut in step 2's line (log_every=2), resumed at 4: under the run's cadence both
+    2 and 4 lack their train line, as `train` would say (the cut line alone names only 2)."""
+    workdir = _copy(drafter, "cut_log")
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+    os.remove(os.path.join(workdir, "eval.json"))
+    path = os.path.join(workdir, "metrics.jsonl")
+    with open(path) as f:
+        text = f.read()
+    _cut(path, text.index('{"step": 2,') + 5)
+    capsys.readouterr()
+    train_drafter(drafter_cfg(), target, workdir, progress=False)
+    assert "steps 2, 4 have no train line" in capsys.readouterr().err
+    rows = read_metrics(path)
+    assert [r["missing_train_steps"] for r in rows if "log_note" in r] == [[2, 4]]
+
+
+def test_a_cut_drafter_json_is_named_in_one_line(target, drafter, capsys):
+    workdir = _copy(drafter, "cut_json")
+    path = os.path.join(workdir, "drafter.json")
+    _cut(path)
+    before = _snapshot(workdir)
+    for argv in (
+        ["train-drafter", "--target-workdir", target, "--workdir", workdir, "--no-progress"],
+        ["generate", "--workdir", target, "--drafter", workdir, "--max-new-tokens", "2"],
+    ):
+        capsys.readouterr()
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+        assert len(lines) == 1 and path in lines[0] and "cut short" in lines[0], err
+    assert _snapshot(workdir) == before

@@ -157,3 +157,15 @@ def test_a_cut_short_config_json_is_named(capsys, tmp_path):
              "Unterminated string", "may be cut short")  # fmt: skip
     with pytest.raises(ValueError, match=f"{path} is not valid JSON"):
         load_hf(src)
+
+
+def test_import_hf_as_a_library_names_a_missing_directory(tmp_path):
+    """`import_hf` checks the directory first (`check_hf_dir`), before its tokenizer."""
+    from v41jax.hf import check_hf_dir, import_hf
+
+    missing, workdir = str(tmp_path / "no" / "such"), tmp_path / "w"
+    with pytest.raises(FileNotFoundError, match=f"{missing} does not exist"):
+        import_hf(missing, str(workdir), base="tiny")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        check_hf_dir(missing)
+    assert not workdir.exists()

@@ -34,6 +34,12 @@ def test_a_runs_dir_holds_one_setting(tmp_path):
     assert recorded_setting(runs) == "mini"
     with pytest.raises(ValueError, match="holds the runs of setting 'mini', not 'full'"):
         record_setting(runs, "experiments/x/config.py", "full")
+    path = os.path.join(runs, "sweep.json")
+    with open(path, "r+b") as f:  # cut short: named, with the hint
+        f.truncate(os.path.getsize(path) // 2)
+    for call in (lambda: recorded_setting(runs), lambda: record_setting(runs, "x.py", "mini")):
+        with pytest.raises(ValueError, match=f"{path} is not valid JSON .* may be cut short"):
+            call()
 
 
 SWEEP = """

@@ -125,10 +125,26 @@ def test_train_resumes_from_the_intact_step_exactly_and_keeps_the_damaged_one(
         assert [r["step"] for r in map(json.loads, f) if "loss" in r] == [3, 4]
 
 
+def test_a_resume_with_changes_records_the_step_it_resumes_from(run4, tmp_path, capsys):
+    """Checkpoint 4 damaged, `--set train.steps=6`: config_changes.jsonl and the message name
+    step 2, the one resumed from, not the damaged 4."""
+    workdir = _damaged_copy(run4, tmp_path)
+    argv = ["train", "--workdir", workdir, "--no-progress", "--set", "train.steps=6"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "checkpoint 4 in" in err and "using step 2" in err, err
+    assert f"resuming {workdir} at step 2 with changes: train.steps: 4 -> 6" in out, out
+    with open(os.path.join(workdir, "config_changes.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == [2], records
+    assert load_run(workdir).step == 6
+
+
 def test_no_intact_checkpoint_is_refused_in_one_line(run4, tmp_path, capsys):
     workdir = _damaged_copy(run4, tmp_path, steps=(2, 4))
     before = snapshot(workdir)
-    for argv in (["eval", "--workdir", workdir], ["train", "--workdir", workdir, "--no-progress"]):
+    train_ = ["train", "--workdir", workdir, "--no-progress"]
+    for argv in (["eval", "--workdir", workdir], train_, [*train_, "--set", "train.steps=6"]):
         assert main(argv) == 2
         err = capsys.readouterr().err
         lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]

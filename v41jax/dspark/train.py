@@ -60,8 +60,7 @@ def _check_record(workdir: str, record: dict) -> bool:
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
         return False
-    with open(path) as f:
-        old = json.load(f)
+    old = config_lib.read_json(path)
     # settings added since the run was made read as their defaults
     old["config"] = config_lib.to_dict(config_lib.from_dict(DrafterRunConfig, old["config"]))
     ignored = ["target_workdir", "init_from"]  # init_from only seeds step 0
@@ -129,8 +128,7 @@ def _load_record(workdir: str) -> dict:
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{workdir} holds no drafter run (no {CONFIG_FILE})")
-    with open(path) as f:
-        return json.load(f)
+    return config_lib.read_json(path)
 
 
 def load_drafter_config(workdir: str) -> tuple[DrafterRunConfig, dict]:
@@ -240,7 +238,10 @@ def train_drafter(
 
 
 def load_drafter(workdir: str, step: int | None = None, *, target=None, check: bool = True):
-    """(DrafterRunConfig, drafter params, record) of the latest (or given) checkpoint.
+    """(DrafterRunConfig, drafter params, record) of checkpoint `step`, or by default the
+    newest one that reads (as `load_run`: a damaged newer one is named on stderr and left in
+    place; record["step"] says which step this is). A damaged `step` asked for by number is
+    a `DamagedCheckpointError` naming it.
 
     target: the target run (a LoadedRun) to use it with; default the one the run records.
     It must be the model the drafter was trained for (`check_target`): its shapes define the
@@ -253,15 +254,24 @@ def load_drafter(workdir: str, step: int | None = None, *, target=None, check: b
     frozen = frozen_target(target.params, target.cfg.model)
     _, _, _, abstract = drafter_state_fns(cfg, target.cfg.model, frozen, target.mesh)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
-    step = ckpt.latest_step() if step is None else step
-    if step is None or step not in ckpt.all_steps():
-        raise FileNotFoundError(
-            f"no drafter checkpoint of step {step} in {ckpt.directory} (have {ckpt.all_steps()})"
-            if step is not None
-            else f"no drafter checkpoints in {ckpt.directory}: train the drafter first"
+    try:  # read-only, as `load_run`: a damaged newest step is named and left in place
+        if step is not None and step not in (have := ckpt.all_steps()):
+            raise FileNotFoundError(
+                f"no drafter checkpoint of step {step} in {ckpt.directory} (have {have})"
+            )
+        found = ckpt.restore_newest_intact(
+            lambda s: restore_drafter_state(ckpt, s, abstract, cfg)[0],
+            set_aside=False,
+            steps=None if step is None else [step],
+            quiet=jax.process_index() != 0,
         )
-    restored, _ = restore_drafter_state(ckpt, step, abstract, cfg)
-    ckpt.close()
+    finally:
+        ckpt.close()
+    if found is None:
+        raise FileNotFoundError(
+            f"no drafter checkpoints in {ckpt.directory}: train the drafter first"
+        )
+    step, restored = found
     return cfg, restored["params"], {**record, "step": step}
 
 

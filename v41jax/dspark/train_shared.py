@@ -112,9 +112,12 @@ def _open_run(cfg, workdir, target, record, resuming, init_from, frozen) -> _Run
         state = new_state(T.load_drafter(init_from, target=target, check=False)[1])
     else:
         state = new_state(T.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed))
-    log = RunLog(workdir, start, enabled=jax.process_index() == 0)
+    # the cadence the trained steps ran under (a resume keeps drafter.json's settings: the
+    # run's own) finds the train lines a damaged log lacks, as `train` does
+    cadence = Cadence.of(cfg.train)
+    log = RunLog(workdir, start, enabled=jax.process_index() == 0, cadence=cadence)
     return _Run(cfg, workdir, state, update, ckpt, log, start, {"step": start}, data_state,
-                Cadence.of(cfg.train))  # fmt: skip
+                cadence)  # fmt: skip
 
 
 def train_drafters(
@@ -160,8 +163,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
         run = _open_run(cfg, workdir, target, records[workdir], resuming[workdir],
                         init_from.get(workdir), frozen)  # fmt: skip
         if run is None:
-            with open(os.path.join(workdir, "eval.json")) as f:
-                results[workdir] = json.load(f)
+            results[workdir] = config_lib.read_json(os.path.join(workdir, "eval.json"))
         else:
             runs.append(run)
     if not runs:

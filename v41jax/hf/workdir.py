@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from v41jax import config as config_lib
 from v41jax.config import Config
 from v41jax.data import Tokenizer, build_compression_table
-from v41jax.hf.checkpoint import load_hf_params, read_hf_config, save_hf
+from v41jax.hf.checkpoint import check_hf_dir, load_hf_params, read_hf_config, save_hf
 from v41jax.hf.convert import model_config_from_hf
 from v41jax.sharding import make_mesh
 from v41jax.train import load_run
@@ -64,9 +64,11 @@ def load_hf_tokenizer(hf_dir: str) -> Tokenizer:
 def import_hf(hf_dir: str, workdir: str, base: str = "small", overrides: list[str] = ()) -> dict:
     """Write the v41jax workdir of the HF model in `hf_dir`; returns a summary. `workdir`
     must be new or empty (`v41jax.train.workdir_kind`: a run, a drafter run or any other
-    folder is refused by name before anything is read; nothing is overwritten). The import
+    folder is refused by name before anything is read; nothing is overwritten), and `hf_dir`
+    a readable HF model directory (`check_hf_dir`: a missing or damaged one is named). The import
     is recognised later by its checkpoint 0, whose "data" item records `imported_from`."""
     require_kind(workdir, "import-hf")
+    check_hf_dir(hf_dir)  # missing or damaged files named before the tokenizer is read
     out = as_path(workdir)
     tok = load_hf_tokenizer(hf_dir)
     cfg = imported_config(hf_dir, base, overrides, tok)

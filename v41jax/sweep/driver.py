@@ -165,8 +165,7 @@ def record_setting(runs_dir: str, sweep_file: str, setting: str) -> None:
     path = os.path.join(runs_dir, SWEEP_FILE)
     record = {"sweep_file": os.path.basename(sweep_file), "setting": setting}
     if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+        old = config_lib.read_json(path)
         if old.get("setting") != setting:
             raise ValueError(
                 f"{runs_dir} holds the runs of setting {old.get('setting')!r}, not {setting!r}; "
@@ -182,8 +181,7 @@ def recorded_setting(runs_dir: str) -> str | None:
     path = os.path.join(runs_dir, SWEEP_FILE)
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f).get("setting")
+    return config_lib.read_json(path).get("setting")
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -319,7 +317,11 @@ def is_done(spec: RunSpec, workdir: str) -> bool:
         return False
     check_workdir_config(spec, workdir, writing=False)
     final_ckpt = os.path.join(workdir, "checkpoints", str(spec.cfg.train.steps))
-    return os.path.isdir(final_ckpt) and os.path.exists(os.path.join(workdir, RESULT_FILE))
+    if not os.path.isdir(final_ckpt) or not os.path.exists(os.path.join(workdir, RESULT_FILE)):
+        return False
+    for name in (DONE_FILE, RESULT_FILE):  # a damaged one is named, not taken for done
+        config_lib.read_json(os.path.join(workdir, name))
+    return True
 
 
 def run_one(spec: RunSpec, runs_dir: str, *, progress: bool = True) -> dict | None:

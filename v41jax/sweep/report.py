@@ -30,6 +30,7 @@ import json
 import operator
 import os
 
+from v41jax import config as config_lib
 from v41jax.sweep.analysis import load_or_run_analysis
 from v41jax.sweep.driver import RESULT_FILE
 from v41jax.sweep.tables import (  # noqa: F401  (ACCOUNTING_KEYS, render_*: re-exported)
@@ -62,8 +63,7 @@ def collect_runs(runs_dir: str) -> list[dict]:
         raise FileNotFoundError(f"runs dir {runs_dir!r} does not exist; run the sweep first")
     rows = []
     for path in glob.glob(os.path.join(runs_dir, "*", "*", RESULT_FILE)):
-        with open(path) as f:
-            res = json.load(f)
+        res = config_lib.read_json(path)
         acc = res.get("accounting", {})
         row = {k: res[k] for k in ("study", "arm", "seed")}
         row |= {k: acc.get(k) for k in ACCOUNTING_KEYS}

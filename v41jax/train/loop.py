@@ -227,14 +227,6 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
     model, optimizer, init_fn, shardings, abstract = make_state_fns(cfg, mesh)
     val = validation_batches(cfg, data, cfg.train.eval_batches)
     source = _init_source(cfg) if latest is None and source else None
-    write_run_files(cfg, workdir, data, changes)
-    if changes and main:
-        print(f"resuming {workdir} at step {latest} with changes: {'; '.join(changes)}")
-    checkpointer = Checkpointer(
-        workdir / "checkpoints",
-        cfg.train.keep_checkpoints,
-        asynchronous=cfg.train.async_checkpoints,
-    )
     iterator = BatchIterator(
         data.train_tokens,
         data.train_segments,
@@ -245,8 +237,38 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
         jax.process_count(),
         data_sha256=data.train_sha256,  # a token dir's, from its manifest: nothing is read
     )
-    start, host, source_tables = checkpointer.latest_step(), None, None
-    if start is None:
+    open_checkpointer = functools.partial(
+        Checkpointer,
+        workdir / "checkpoints",
+        cfg.train.keep_checkpoints,
+        asynchronous=cfg.train.async_checkpoints,
+    )
+    checkpointer = open_checkpointer() if latest is not None else None
+    resumed, host, source_tables = None, None, None
+    if checkpointer is not None:  # the newest checkpoint that reads (a damaged one is named
+        # and set aside), restored before the run's files are written: config_changes.jsonl
+        # names the step resumed from, and a refused restore leaves the workdir's files as
+        # they were
+
+        def restore(step: int) -> tuple:  # Engram host tables from the same step as the state
+            state, extra = checkpointer.restore(step, abstract)
+            tables = None
+            if uses_host_tables(cfg):
+                tables = start_host_tables(cfg, checkpointer, step, None, os.fspath(workdir))
+            return state, extra, tables
+
+        resumed = checkpointer.restore_newest_intact(restore, set_aside=True, quiet=not main)
+        if resumed is not None:
+            iterator.restore(resumed[1][1]["iterator"])  # refuses data changed under the run
+    write_run_files(cfg, workdir, data, changes, None if resumed is None else resumed[0])
+    if resumed is not None:
+        start, (state, _, host) = resumed
+        if main:
+            if changes:
+                print(f"resuming {workdir} at step {start} with changes: {'; '.join(changes)}")
+            print(f"resumed from {checkpointer.directory}/{start}")
+    else:
+        checkpointer = checkpointer or open_checkpointer()
         start, state = 0, init_fn(cfg.train.seed)
         if source is not None:  # fine-tuning: another run's params, a fresh optimizer
             params = convert_layout(source.params, layer_segments(cfg.model))
@@ -259,21 +281,6 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
                 source_tables = host_table_arrays(params)
                 params, _ = split_tables(params)
             state = state.replace(params=jax.device_put(params, shardings.params))
-    else:  # the newest checkpoint that reads: a damaged one is named and set aside
-
-        def restore(step: int) -> tuple:  # Engram host tables from the same step as the state
-            state, extra = checkpointer.restore(step, abstract)
-            tables = None
-            if uses_host_tables(cfg):
-                tables = start_host_tables(cfg, checkpointer, step, None, os.fspath(workdir))
-            return state, extra, tables
-
-        start, (state, extra, host) = checkpointer.restore_newest_intact(
-            restore, set_aside=True, quiet=not main
-        )
-        iterator.restore(extra["iterator"])
-        if main:
-            print(f"resumed from {checkpointer.directory}/{start}")
     if iterator.step != start or int(state.step) != start:
         raise RuntimeError(
             f"checkpoint {start} is inconsistent: iterator step {iterator.step}, "

@@ -14,7 +14,6 @@ from v41jax.config import Config
 from v41jax.data import CompressionTable, PreparedData, Tokenizer, load_data
 from v41jax.data.tokenizer import TOKENIZER_CONFIG
 from v41jax.train import workdir as workdir_lib
-from v41jax.train.resume import latest_checkpoint_step
 
 
 def load_tokenizer(run: epath.Path) -> Tokenizer:
@@ -44,10 +43,11 @@ def prepare(cfg: Config, workdir: epath.Path, progress: bool) -> PreparedData:
 
 
 def write_run_files(
-    cfg: Config, workdir: epath.Path, data: PreparedData, changes: list[str]
+    cfg: Config, workdir: epath.Path, data: PreparedData, changes: list[str], step: int | None
 ) -> None:
     """config.json, tokenizer.json, compression.npz: written only once every check passed, so
-    a refused command leaves the workdir as it was. Resume changes go to config_changes.jsonl."""
+    a refused command leaves the workdir as it was. Resume changes go to config_changes.jsonl
+    with `step`, the checkpoint the run resumes from (the newest intact one)."""
     if jax.process_index() != 0:
         return
     workdir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +55,7 @@ def write_run_files(
     if not path.exists() or changes:
         workdir_lib.save_config(cfg, path)  # atomic: a kill mid-write keeps the old config
     if changes:
-        line = json.dumps({"step": latest_checkpoint_step(workdir), "changes": changes})
+        line = json.dumps({"step": step, "changes": changes})
         workdir_lib.append_line(workdir / "config_changes.jsonl", line)
     for name, save in (
         ("tokenizer.json", data.tokenizer.save),
