@@ -10,6 +10,9 @@ import os
 # No CUDA driver here: the CUDA plugin must not insist on one (read when jax initialises
 # its backends, which happens after this file is imported).
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+# libtpu takes a lock file (/tmp/libtpu_lockfile) so that one process owns the TPU; there
+# is none here, and the xdist workers each load libtpu to compile.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest  # noqa: E402
 

@@ -20,6 +20,10 @@ kernel appears as a ``__triton`` fusion/custom call). What this proves: the prog
 compiles, and its memory fits the described chip. What it cannot: timings and the numerics
 of the compiled kernels (a run on the chip does that).
 
+Several processes compiling for TPU at once (test workers) need
+``ALLOW_MULTIPLE_LIBTPU_LOAD=1``: libtpu otherwise takes a lock file for the one process
+that owns the (here absent) TPU.
+
 Limit: a mesh over compile-only devices must not be the *current* mesh while tracing code
 that evaluates arrays at trace time (``jax.ensure_compile_time_eval``): JAX would try to
 execute them there. ``compile_for`` therefore passes shardings on the arguments and does
@@ -150,17 +154,17 @@ class CompileRecord:
     bytes_accessed: float | None  # cost_analysis()["bytes accessed"]
     custom_calls: tuple[str, ...]  # custom_call_target names in the compiled program
     has_custom_call: bool | None  # whether ``custom_call`` (if asked) is in the program
-    scoped_vmem_bytes: tuple[int, ...]  # TPU: scoped VMEM Mosaic reserved per kernel
+    scoped_vmem_bytes: tuple[int, ...]  # TPU: scoped VMEM reserved per Mosaic kernel
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 _CUSTOM_CALL_RE = re.compile(r'custom_call_target="([^"]+)"')
-# A TPU compiled program notes each Mosaic kernel's scoped VMEM reservation as
-# used_scoped_memory_configs=[{memory_space=..., offset=..., size=N}, ...] (bytes).
-_SCOPED_RE = re.compile(r"used_scoped_memory_configs=\[([^\]]*)\]")
-_SIZE_RE = re.compile(r"size[\"']?[=:]\s*[\"']?(\d+)")
+# A compiled TPU program notes in each instruction's backend config the scoped VMEM the
+# compiler gave it: "used_scoped_memory_configs":[{"memory_space":"1","offset":"0","size":"N"}].
+_SCOPED_RE = re.compile(r'"used_scoped_memory_configs":\[([^\]]*)\]')
+_SIZE_RE = re.compile(r'"size":"(\d+)"')
 
 
 def custom_call_targets(text: str) -> tuple[str, ...]:
@@ -169,8 +173,16 @@ def custom_call_targets(text: str) -> tuple[str, ...]:
 
 
 def scoped_vmem_bytes(text: str) -> tuple[int, ...]:
-    """Per Mosaic kernel in a compiled TPU program: the scoped VMEM bytes it was given."""
-    return tuple(sum(int(s) for s in _SIZE_RE.findall(m)) for m in _SCOPED_RE.findall(text))
+    """Per Mosaic kernel (``tpu_custom_call`` instruction) of a compiled TPU program, in
+    program order: the scoped VMEM bytes the compiler reserved for it (the kernel's
+    buffers plus Mosaic's own scratch)."""
+    out = []
+    for line in text.splitlines():
+        if f'custom_call_target="{MOSAIC_CUSTOM_CALL}"' not in line:
+            continue
+        configs = _SCOPED_RE.findall(line)
+        out.append(sum(int(size) for c in configs for size in _SIZE_RE.findall(c)))
+    return tuple(out)
 
 
 def _memory(compiled) -> dict[str, int]:
