@@ -300,3 +300,24 @@ def test_check_ids():
         check_ids(np.array([[0, 4], [5, -1]]), 5)
     with pytest.raises(ValueError, match="id -1"):
         check_ids(jnp.array([-1]), 5)
+
+
+@pytest.mark.parametrize("rows", [1009, 5])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn])
+def test_dma_kernel_row_groups_and_table_tail(dtype, rows):
+    """The TPU kernel DMAs the aligned group of 16 (bf16) / 32 (fp8) rows around each id and
+    picks the row in VMEM; ids in the last partial group (1009 = 31*32 + 17) come from the
+    table's tail block, a table under one group is padded. Bit-exact, signed zeros and NaN
+    included; with and without scales."""
+    group = {4: 1, 2: 16, 1: 32}[jnp.dtype(dtype).itemsize]
+    edge = {0, group - 1, group, rows - rows % group - 1, rows - rows % group, rows - 1}
+    edge = sorted(i for i in edge if 0 <= i < rows)
+    table, _, scale = _inputs(24, 3, (1,), seed=11)
+    table = table[:rows].at[0, :3].set(jnp.array([-0.0, jnp.nan, 0.0])).astype(dtype)
+    ids = jnp.asarray(np.resize(edge, (9, 3)), jnp.int32)
+    for s in (None, scale[:rows]):
+        got = engram_lookup_dma(table, ids, s, block_tokens=8, interpret=True)
+        want = engram_lookup_reference(table, ids, s)
+        np.testing.assert_array_equal(
+            np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32)
+        )

@@ -3,7 +3,8 @@
 Real scale without allocating (``jax.ShapeDtypeStruct``): a 2^24-row, 256-wide FP8 table
 (4 GiB) with its row scales, 8192 tokens x 24 heads; plus an odd shape (999,983 rows,
 bf16, 3 x 1001 tokens x 7 heads). Lowering runs the Pallas -> Mosaic / Triton lowering
-(block shapes, tensor sizes), not the device compilers. Asserted: the lowered program of
+(block shapes, tensor sizes), not the device compilers (those run in
+tests/aot/test_aot_engram.py, with the ``aot`` extra). Asserted: the lowered program of
 impl="auto" holds the intended kernel's custom call for each platform and no Pallas call
 for CPU; gradients lower; a shape a kernel cannot take is a ValueError naming the limit.
 """
@@ -170,3 +171,14 @@ def test_pallas_choice_a_platform_cannot_compile_raises_when_lowered_for_it():
     # "auto" never errors: the GPU branch of this shape is the XLA gather.
     auto = _trace(lambda t, i: engram_lookup(t, i), (table, ids))
     assert _custom_calls(auto.lower(lowering_platforms=("cuda",)).as_text()) == set()
+
+
+def test_tpu_kernel_refuses_a_64_bit_table_by_name():
+    """The TPU kernel DMAs 8/16/32-bit rows only (``rows_per_dma``): pallas_tpu refuses a
+    float64 table at trace time, naming the dtype; "auto" takes the XLA gather on TPU."""
+    table, ids = S((64, 128), jnp.float64), S((8, 3), jnp.int32)
+    with jax.enable_x64(True):
+        with pytest.raises(ValueError, match="8, 16 or 32-bit tables, got float64"):
+            _trace(lambda t, i: engram_lookup(t, i, impl="pallas_tpu"), (table, ids))
+        auto = _trace(lambda t, i: engram_lookup(t, i), (table, ids))
+        assert _custom_calls(auto.lower(lowering_platforms=("tpu",)).as_text()) == set()

@@ -268,6 +268,8 @@ def _pallas_shape_error(kind: str, table, block_tokens: int | None, heads: int, 
             )
     if kind == "pallas_tpu":
         bt = block_tokens or 8
+        if table.dtype.itemsize not in (1, 2, 4):
+            return f"the TPU kernel takes 8, 16 or 32-bit tables, got {table.dtype}"
         if (bt * heads) % 8:
             return (
                 f"the TPU kernel needs block_tokens*H to be a multiple of 8 (sublane tiling), "

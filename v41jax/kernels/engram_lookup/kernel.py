@@ -7,15 +7,19 @@ Equation (``reference.py``): for token t with flat-table row ids ``ids[t, h]``
 
 Two kernels, one per compiled backend, both run in interpret mode on CPU in the tests:
 
-``engram_lookup_dma`` (TPU / Mosaic). The flat ids ``[N*H]`` go to SMEM by scalar prefetch;
-the table (and scale) stay in HBM (``pl.ANY``) and every row is fetched by its own manual
-DMA whose source offset is the id read from SMEM. Grid ``(ceil(N / bt),)``: step ``b``
-owns tokens ``[b*bt, (b+1)*bt)``, i.e. ``bt*H`` consecutive flat rows, and writes output
-block ``(bt*H, E)`` of the ``[N*H, E]`` result (a free reshape of ``[N, H*E]``, so the
-heads land concatenated). Two VMEM slots double-buffer across steps: step ``b`` starts the
-``bt*H`` row copies of block ``b+1`` into the other slot, then waits for its own (started
-by step ``b-1``, or by itself at ``b == 0``), dequantises the slot and stores it. All row
-copies of a block are in flight together, which is what hides HBM latency for tiny rows.
+``engram_lookup_dma`` (TPU / Mosaic). The flat ids ``[N*H]`` (and their gathered scales)
+go to SMEM by scalar prefetch; the table stays in HBM (``pl.ANY``) and every row is
+fetched by its own manual DMA whose source offset is the id read from SMEM: a 32-bit row
+alone, a 16/8-bit row with the aligned group of 16/32 rows that shares its tiles
+(``rows_per_dma``: Mosaic refuses a packed row at an arbitrary offset), the row then picked
+out in VMEM. Grid ``(ceil(N / bt),)``: step ``b`` owns tokens ``[b*bt, (b+1)*bt)``, i.e.
+``bt*H`` consecutive flat rows, and writes output block ``(bt*H, E)`` of the ``[N*H, E]``
+result (a free reshape of ``[N, H*E]``, so the heads land concatenated). Two VMEM slots
+double-buffer across steps: step ``b`` starts the ``bt*H`` copies of block ``b+1`` into
+the other slot, then waits for its own (started by step ``b-1``, or by itself at
+``b == 0``), dequantises the slot and stores it. All copies of a block are in flight
+together, which is what hides HBM latency for tiny rows. Compiled for TPU v4/v5e/v5p/v6e
+from a CPU host in ``tests/aot/test_aot_engram.py``.
 
 ``engram_lookup_vector`` (GPU / Triton). Triton has no scalar prefetch, but its loads
 take integer-array indices, so the gather is a vector load. Grid ``(ceil(N / bt),)``: step
@@ -29,10 +33,11 @@ exactly 4 GiB); in 2-byte units the largest offset is 2^31 - 1.
 
 Both pad the token count up to a multiple of ``bt`` with id 0 (a valid row) and slice
 the padding off, so any N works. Verified here in interpret mode (the TPU
-interpreter also checks semaphore balance and races) and by lowering for TPU and CUDA at
-full scale (``tests/kernels/test_lowering_engram_lookup.py``); the compiled twins in the
-tests run only on their hardware. Ids are not range-checked: an out-of-range id is
-undefined behaviour (a DMA/load outside the table); see ``api.check_ids``.
+interpreter also checks semaphore balance and races), lowered and compiled for TPU and
+CUDA at full scale (``tests/kernels/test_lowering_engram_lookup.py``, ``tests/aot``);
+the compiled twins in the tests run only on their hardware. Ids are not range-checked:
+an out-of-range id is undefined behaviour (a DMA/load outside the table); see
+``api.check_ids``.
 """
 
 from __future__ import annotations
@@ -48,18 +53,43 @@ from jax.experimental.pallas import triton as pltriton
 
 from v41jax.kernels.platforms import TPU_MAX_VMEM, tpu_vmem_bytes, tpu_vmem_limit
 
-# Ids per pallas_call of the DMA kernel: they all sit in SMEM (4 bytes each), which holds
-# well under 1 MiB on current TPUs, so longer id lists are split into several calls.
+# Ids per pallas_call of the DMA kernel: they (and their gathered scales) sit in SMEM
+# (4 bytes each), which holds well under 1 MiB on current TPUs, so longer id lists are split
+# into several calls.
 MAX_IDS_PER_DMA_CALL = 1 << 15
 
 
+def rows_per_dma(dtype) -> int:
+    """Table rows one DMA of the TPU kernel fetches: the row's aligned group of rows.
+
+    Why: in HBM and VMEM a TPU stores 16-bit rows in pairs and 8-bit rows in fours inside
+    each 32-bit sublane word (tiles of (8 * packing, 128), e.g. bf16 ``(8,128)(2,1)``), so a
+    DMA of one such row at an arbitrary offset slices inside a tile and Mosaic refuses it
+    ("Offsets along tiled dimensions must be aligned to tiles"). A 32-bit row is one
+    sublane: 1. A 16-bit row: the 16 rows (8 sublanes x 2, the largest bf16 tile) around
+    it; an 8-bit row: 32. The kernel then picks the row out of its group in VMEM.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    if itemsize not in (1, 2, 4):
+        raise ValueError(f"engram_lookup_dma: tables of 8, 16 or 32-bit rows, got {dtype}")
+    return 32 // itemsize if itemsize < 4 else 1
+
+
 def dma_vmem_bytes(rows_per_block: int, emb: int, dtype, out_dtype, has_scale: bool) -> int:
-    """VMEM of one ``engram_lookup_dma`` call: the two row slots (+ scale slots) and the
-    double-buffered output block."""
-    total = 2 * tpu_vmem_bytes(rows_per_block, emb, dtype)
+    """VMEM of one ``engram_lookup_dma`` call: two slots of ``rows_per_block`` 32-bit rows,
+    or of as many row groups ``[G, E]`` (``G = rows_per_dma``, each its own tile); the f32
+    block assembled from them; the double-buffered output block and table tail ``[G, E]``.
+    ``has_scale`` adds none: the scales ride in SMEM with the ids."""
+    del has_scale
+    group = rows_per_dma(dtype)
+    if group == 1:  # 32-bit rows: one [rows_per_block, E] buffer per slot
+        total = 2 * tpu_vmem_bytes(rows_per_block, emb, dtype)
+    else:
+        total = 2 * rows_per_block * tpu_vmem_bytes(group, emb, dtype)
+    total += tpu_vmem_bytes(rows_per_block, emb, jnp.float32)
     total += 2 * tpu_vmem_bytes(rows_per_block, emb, out_dtype)
-    if has_scale:
-        total += 2 * tpu_vmem_bytes(rows_per_block, 1, jnp.float32)
+    if group > 1:
+        total += 2 * tpu_vmem_bytes(group, emb, dtype)
     return total
 
 
@@ -91,80 +121,110 @@ def _dequantise(rows: jax.Array, scale: jax.Array | None, out_dtype) -> jax.Arra
 
 
 # --------------------------------------------------------------------------------------
-# TPU: scalar-prefetched ids drive one manual DMA per row, double-buffered across steps.
+# TPU: scalar-prefetched ids drive one manual DMA per row group, double-buffered across steps.
 # --------------------------------------------------------------------------------------
 
 
-def _dma_kernel(ids_smem, table_hbm, *refs, rows_per_block: int, has_scale: bool, out_dtype):
-    if has_scale:
-        scale_hbm, out_ref, rows_buf, scale_buf, sems = refs
-    else:
-        (out_ref, rows_buf, sems), scale_hbm, scale_buf = refs, None, None
+def _pick_row(group_GxE: jax.Array, k) -> jax.Array:
+    """Row ``k`` (a scalar) of a ``[G, E]`` float32 group as ``[1, E]``, bit-exactly.
+
+    A dynamic slice inside a packed tile is what Mosaic refuses, so the row is selected
+    with a mask instead: the other rows' bit patterns are zeroed and the ``G`` integers
+    summed (one is non-zero), which keeps NaN payloads and the sign of zero.
+    """
+    bits = lax.bitcast_convert_type(group_GxE, jnp.int32)
+    rows = lax.broadcasted_iota(jnp.int32, bits.shape, 0)
+    picked = jnp.sum(jnp.where(rows == k, bits, 0), axis=0, keepdims=True)
+    return lax.bitcast_convert_type(picked, jnp.float32)
+
+
+def _dma_kernel(ids_smem, *refs, rows_per_block, group, num_rows, has_scale, has_tail):
+    scale_smem, refs = (refs[0], refs[1:]) if has_scale else (None, refs)
+    table_hbm, refs = refs[0], refs[1:]
+    tail_ref, refs = (refs[0], refs[1:]) if has_tail else (None, refs)
+    out_ref, rows_buf, block_f32, sems = refs
     step, num_steps = pl.program_id(0), pl.num_programs(0)
+    # Rows at or past `aligned_end` have no whole group in the table: they are read from
+    # the tail block (the table's last `group` rows) and their DMA fetches group 0 instead.
+    aligned_end = num_rows - num_rows % group
 
-    def row_copies(block, slot, r):
-        """The DMA descriptors that bring flat row ``block*rows_per_block + r`` into ``slot``."""
+    def where_row(block, r):
+        """(row id, start of the group DMA'd for it, row's index in group or tail)."""
         row = ids_smem[block * rows_per_block + r]
-        copies = [
-            pltpu.make_async_copy(
-                table_hbm.at[pl.ds(row, 1)], rows_buf.at[slot, pl.ds(r, 1)], sems.at[slot, 0]
-            )
-        ]
-        if has_scale:
-            copies.append(
-                pltpu.make_async_copy(
-                    scale_hbm.at[pl.ds(row, 1)], scale_buf.at[slot, pl.ds(r, 1)], sems.at[slot, 1]
-                )
-            )
-        return copies
+        if group == 1:
+            return row, row, 0
+        in_tail = row >= aligned_end
+        start = jnp.where(in_tail, 0, row - row % group)
+        k = jnp.where(in_tail, row - (num_rows - group), row % group)
+        return row, pl.multiple_of(start, group), k
 
-    def start_block(block, slot):
+    def row_copy(block, slot, r):
+        """The DMA that brings the group of flat row ``block*rows_per_block + r`` to ``slot``."""
+        _, start, _ = where_row(block, r)
+        dest = rows_buf.at[slot, pl.ds(r, 1)] if group == 1 else rows_buf.at[slot, r]
+        return pltpu.make_async_copy(table_hbm.at[pl.ds(start, group)], dest, sems.at[slot])
+
+    def each_copy(block, slot, action):
+        # A wait consumes one copy's bytes on the slot's semaphore, so one wait per started
+        # copy (same shapes) drains exactly what the starts signalled.
         def body(r, carry):
-            for copy in row_copies(block, slot, r):
-                copy.start()
-            return carry
-
-        lax.fori_loop(0, rows_per_block, body, 0)
-
-    def wait_block(block, slot):
-        # Every wait consumes one row's worth of bytes on the slot's semaphore, so waiting
-        # once per started copy (same shapes) drains exactly what start_block signalled.
-        def body(r, carry):
-            for copy in row_copies(block, slot, r):
-                copy.wait()
+            getattr(row_copy(block, slot, r), action)()
             return carry
 
         lax.fori_loop(0, rows_per_block, body, 0)
 
     @pl.when(step == 0)
     def _():
-        start_block(0, 0)
+        each_copy(0, 0, "start")
 
     @pl.when(step + 1 < num_steps)
     def _():
-        start_block(step + 1, (step + 1) % 2)
+        each_copy(step + 1, (step + 1) % 2, "start")
 
     slot = step % 2
-    wait_block(step, slot)
-    scale = scale_buf[slot] if has_scale else None  # [rows_per_block, 1]
-    out_ref[...] = _dequantise(rows_buf[slot], scale, out_dtype)
+    each_copy(step, slot, "wait")
+
+    def assemble(r, carry):
+        row, _, k = where_row(step, r)
+        source = rows_buf[slot, pl.ds(r, 1)] if group == 1 else rows_buf[slot, r]
+        source = source.astype(jnp.float32)  # [group, E]
+        if has_tail:
+            source = jnp.where(row >= aligned_end, tail_ref[...].astype(jnp.float32), source)
+        value = source if group == 1 else _pick_row(source, k)
+        if has_scale:
+            value = value * scale_smem[step * rows_per_block + r]
+        block_f32[pl.ds(r, 1), :] = value
+        return carry
+
+    lax.fori_loop(0, rows_per_block, assemble, 0)
+    out_ref[...] = block_f32[...].astype(out_ref.dtype)
 
 
-def _dma_call(table_RxE, ids_M, scale_Rx1, *, rows_per_block, out_dtype, interpret):
-    """One pallas_call over ``M`` flat ids (a multiple of ``rows_per_block``) -> ``[M, E]``."""
+def _dma_call(table_RxE, tail_GxE, ids_M, scale_M, *, rows_per_block, out_dtype, interpret):
+    """One pallas_call over ``M`` flat ids (a multiple of ``rows_per_block``) -> ``[M, E]``.
+    ``scale_M``: the ids' gathered row scales (or None); ``tail_GxE``: the table's last
+    ``rows_per_dma`` rows when the row count is not a multiple of it (else None)."""
     (num_ids,) = ids_M.shape
-    emb = table_RxE.shape[1]
-    has_scale = scale_Rx1 is not None
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    in_specs = [any_spec, any_spec] if has_scale else [any_spec]
-    scratch = [pltpu.VMEM((2, rows_per_block, emb), table_RxE.dtype)]
-    if has_scale:
-        scratch.append(pltpu.VMEM((2, rows_per_block, 1), jnp.float32))
-    scratch.append(pltpu.SemaphoreType.DMA((2, 2)))
+    num_rows, emb = table_RxE.shape
+    group = rows_per_dma(table_RxE.dtype)
+    has_scale, has_tail = scale_M is not None, tail_GxE is not None
+    in_specs = [pl.BlockSpec(memory_space=pl.ANY)]
+    if has_tail:
+        in_specs.append(pl.BlockSpec((group, emb), lambda b, *_: (0, 0)))
+    scratch = [
+        # 32-bit rows are single sublanes: a [rows, E] slot; packed rows: one tile per group.
+        pltpu.VMEM((2, rows_per_block, *((group,) if group > 1 else ()), emb), table_RxE.dtype),
+        pltpu.VMEM((rows_per_block, emb), jnp.float32),
+        pltpu.SemaphoreType.DMA((2,)),
+    ]
     kernel = functools.partial(
-        _dma_kernel, rows_per_block=rows_per_block, has_scale=has_scale, out_dtype=out_dtype
+        _dma_kernel,
+        rows_per_block=rows_per_block,
+        group=group,
+        num_rows=num_rows,
+        has_scale=has_scale,
+        has_tail=has_tail,
     )
-    operands = (table_RxE, scale_Rx1) if has_scale else (table_RxE,)
     vmem = dma_vmem_bytes(rows_per_block, emb, table_RxE.dtype, out_dtype, has_scale)
     if vmem > TPU_MAX_VMEM:
         raise ValueError(
@@ -172,13 +232,14 @@ def _dma_call(table_RxE, ids_M, scale_Rx1, *, rows_per_block, out_dtype, interpr
             f"MiB of VMEM, over the {TPU_MAX_VMEM >> 20} MiB limit; lower block_tokens"
         )
     limit = tpu_vmem_limit(vmem)  # more scoped VMEM only when the default is too small
+    prefetch = (ids_M, scale_M) if has_scale else (ids_M,)
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=len(prefetch),
             grid=(num_ids // rows_per_block,),
             in_specs=in_specs,
-            out_specs=pl.BlockSpec((rows_per_block, emb), lambda b, ids: (b, 0)),
+            out_specs=pl.BlockSpec((rows_per_block, emb), lambda b, *_: (b, 0)),
             scratch_shapes=scratch,
         ),
         out_shape=jax.ShapeDtypeStruct((num_ids, emb), out_dtype),
@@ -188,7 +249,7 @@ def _dma_call(table_RxE, ids_M, scale_Rx1, *, rows_per_block, out_dtype, interpr
         ),
         cost_estimate=lookup_cost(num_ids, emb, table_RxE.dtype, out_dtype, has_scale),
         interpret=interpret,
-    )(ids_M, *operands)
+    )(*prefetch, table_RxE, *([tail_GxE] if has_tail else []))
 
 
 def engram_lookup_dma(
@@ -205,20 +266,27 @@ def engram_lookup_dma(
 
     Block: ``block_tokens`` tokens = ``block_tokens*H`` rows per grid step (a multiple of 8
     on TPU, the sublane tiling of the output block). Ids beyond ``max_ids_per_call`` (SMEM
-    size) are processed by further calls, each a whole number of blocks.
+    size) are processed by further calls, each a whole number of blocks. The ids' scales
+    are gathered by XLA (``N*H`` floats) and ride in SMEM beside the ids: a ``[R, 1]`` scale
+    column in HBM would be padded to 128 lanes (a copy of 512 bytes per table row).
     """
     n_tokens, heads = ids_NxH.shape
-    emb = table_RxE.shape[1]
+    num_rows, emb = table_RxE.shape
+    group = rows_per_dma(table_RxE.dtype)
+    if num_rows < group:  # a tiny table: pad it to one whole group (a copy of < 32 rows)
+        table_RxE = jnp.pad(table_RxE, ((0, group - num_rows), (0, 0)))
+    tail_GxE = table_RxE[-group:] if table_RxE.shape[0] % group else None
     ids_NxH, n_tokens = _pad_tokens(ids_NxH, block_tokens)
     rows_per_block = block_tokens * heads
     ids_M = ids_NxH.reshape(-1).astype(jnp.int32)
-    scale_Rx1 = None if row_scale_R is None else row_scale_R.reshape(-1, 1)
+    scale_M = None if row_scale_R is None else row_scale_R.at[ids_M].get(mode="clip")
     chunk = max(1, max_ids_per_call // rows_per_block) * rows_per_block
     outs = [
         _dma_call(
             table_RxE,
+            tail_GxE,
             ids_M[start : start + chunk],
-            scale_Rx1,
+            None if scale_M is None else scale_M[start : start + chunk],
             rows_per_block=rows_per_block,
             out_dtype=out_dtype,
             interpret=interpret,
