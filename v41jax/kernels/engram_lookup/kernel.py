@@ -53,9 +53,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from v41jax.kernels.platforms import TPU_MAX_VMEM, tpu_vmem_bytes, tpu_vmem_limit
 
-# Ids per pallas_call of the DMA kernel: they (and their gathered scales) sit in SMEM
-# (4 bytes each), which holds well under 1 MiB on current TPUs, so longer id lists are split
-# into several calls.
+# Ids per pallas_call of the DMA kernel: they (and their scales) sit in SMEM, 4 bytes each,
+# which holds well under 1 MiB on current TPUs; longer id lists are split into calls.
 MAX_IDS_PER_DMA_CALL = 1 << 15
 
 
@@ -67,7 +66,9 @@ def rows_per_dma(dtype) -> int:
     DMA of one such row at an arbitrary offset slices inside a tile and Mosaic refuses it
     ("Offsets along tiled dimensions must be aligned to tiles"). A 32-bit row is one
     sublane: 1. A 16-bit row: the 16 rows (8 sublanes x 2, the largest bf16 tile) around
-    it; an 8-bit row: 32. The kernel then picks the row out of its group in VMEM.
+    it; an 8-bit row: 32. The kernel then picks the row out of its group in VMEM. Cost: 16
+    / 32x the row's bytes read (its bytes share every word with the group's: no DMA reads
+    fewer); a table stored as 32-bit words per row would need one sublane per row.
     """
     itemsize = jnp.dtype(dtype).itemsize
     if itemsize not in (1, 2, 4):
@@ -93,11 +94,14 @@ def dma_vmem_bytes(rows_per_block: int, emb: int, dtype, out_dtype, has_scale: b
     return total
 
 
-def lookup_cost(num_ids: int, emb: int, dtype, out_dtype, has_scale: bool) -> pl.CostEstimate:
-    """XLA's view of one lookup call: bytes of the gathered rows read, the output written,
-    the ids (and scales) read; one multiply per element when dequantising."""
+def lookup_cost(
+    num_ids: int, emb: int, dtype, out_dtype, has_scale: bool, rows_read: int = 1
+) -> pl.CostEstimate:
+    """XLA's view of one lookup call: bytes of the table rows read (``rows_read`` per id:
+    the TPU kernel's whole row group), the output written, the ids (and scales) read; one
+    multiply per element when dequantising."""
     elems = num_ids * emb
-    nbytes = elems * (jnp.dtype(dtype).itemsize + jnp.dtype(out_dtype).itemsize)
+    nbytes = elems * (rows_read * jnp.dtype(dtype).itemsize + jnp.dtype(out_dtype).itemsize)
     nbytes += num_ids * 4 * (2 if has_scale else 1)
     return pl.CostEstimate(
         flops=elems if has_scale else 0, transcendentals=0, bytes_accessed=nbytes
@@ -128,9 +132,8 @@ def _dequantise(rows: jax.Array, scale: jax.Array | None, out_dtype) -> jax.Arra
 def _pick_row(group_GxE: jax.Array, k) -> jax.Array:
     """Row ``k`` (a scalar) of a ``[G, E]`` float32 group as ``[1, E]``, bit-exactly.
 
-    A dynamic slice inside a packed tile is what Mosaic refuses, so the row is selected
-    with a mask instead: the other rows' bit patterns are zeroed and the ``G`` integers
-    summed (one is non-zero), which keeps NaN payloads and the sign of zero.
+    Mosaic refuses a dynamic slice inside a packed tile, so a mask selects it: the other
+    rows' bit patterns are zeroed and the ``G`` integers summed (NaN and -0.0 kept).
     """
     bits = lax.bitcast_convert_type(group_GxE, jnp.int32)
     rows = lax.broadcasted_iota(jnp.int32, bits.shape, 0)
@@ -247,7 +250,7 @@ def _dma_call(table_RxE, tail_GxE, ids_M, scale_M, *, rows_per_block, out_dtype,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), vmem_limit_bytes=limit
         ),
-        cost_estimate=lookup_cost(num_ids, emb, table_RxE.dtype, out_dtype, has_scale),
+        cost_estimate=lookup_cost(num_ids, emb, table_RxE.dtype, out_dtype, has_scale, group),
         interpret=interpret,
     )(*prefetch, table_RxE, *([tail_GxE] if has_tail else []))
 
