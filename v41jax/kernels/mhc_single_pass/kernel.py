@@ -23,8 +23,12 @@ Two variants (``Plan.target``):
   resident accumulators too. phi is passed as [n, C/tc, K, tc] (K on sublanes: a [C, K]
   layout would pad K=24 to 128 lanes) and fetched once. VMEM is sized by
   ``plan.tpu_vmem_bytes`` and requested with ``vmem_limit_bytes``.
-  C not a multiple of 128 (small models, tests) takes one tile of the whole C, X viewed as
-  [N*n, C] and stream j read as the strided rows j, j+n, ... (grid: token blocks, 1 tile).
+  C not a multiple of 128 (C = 1000, small models, tests) takes one tile of the whole C
+  (grid: token blocks): X in [bt, n, C] blocks of its own [N, n, C] array, stream j being
+  ``x_ref[:, j, :]`` (an [N*n, C] view read as strided rows j, j+n, ... would need Mosaic's
+  strided loads, which take only 32-bit data in 128-lane rows; compiled for v5e, C = 1000
+  was refused in bf16 and f32). Same traffic: each X, y element read once, X_{l+1} and h
+  written once.
 
 "gpu" (Triton, chosen explicitly with ``pltriton.CompilerParams``): JAX 0.10.2 lowers
   ``pallas_call`` on CUDA to Mosaic GPU by default (``jax_pallas_use_mosaic_gpu``; that
@@ -88,61 +92,43 @@ def _accumulate_tile(y, xs, col, store_x, phi_tile, with_stats):
     return mixed, jnp.sum(mixed * mixed, axis=-1, keepdims=True), proj, sumsq
 
 
-def _tpu_kernel(*refs, n, nct, with_norm, with_stats, eps, c_total):
+def _tpu_whole_c_kernel(*refs, n, with_norm, with_stats, eps, c_total):
+    """Grid (token block t,): the form for C not a multiple of 128, one tile of all of C.
+
+    X comes as its own [N, n, C] array in [bt, n, C] blocks (their last two dims are the
+    array's, as Mosaic requires of dims that are not (8, 128) multiples) and stream j is
+    ``x_ref[:, j, :]``. Strided rows of an [N*n, C] view would need Mosaic's strided loads,
+    which take only 32-bit data in 128-lane rows (C = 1000 in bf16 or f32 does not compile).
+    """
     x_ref, y_ref, hres_ref, hpost_ref, apre_ref, *rest = refs
     g_ref = rest.pop(0) if with_norm else None
     phi_ref = rest.pop(0) if with_stats else None
     xo_ref, h_ref, *rest = rest
-    proj_ref, ss_ref = (rest.pop(0), rest.pop(0)) if with_stats else (None, None)
-    mix_ref, msq_ref = rest if with_norm else (None, None)
-    ci = pl.program_id(1)
-    bt = y_ref.shape[0]
-
-    @pl.when(ci == 0)
-    def _init():
-        if with_norm:
-            msq_ref[...] = jnp.zeros_like(msq_ref)
-        if with_stats:
-            proj_ref[...] = jnp.zeros_like(proj_ref)
-            ss_ref[...] = jnp.zeros_like(ss_ref)
-
     coef = {"res": hres_ref, "post": hpost_ref, "pre": apre_ref}
     col = lambda name, k: coef[name][:, k : k + 1].astype(_F32)
-    rows = lambda i: pl.ds(i, bt, stride=n)  # stream i of the [bt*n, tc] block
 
     def store_x(i, v):
         v = v.astype(xo_ref.dtype)
-        xo_ref[rows(i), :] = v
+        xo_ref[:, i, :] = v
         return v
 
-    def phi_tile(i, xi):  # [bt, tc] x [K, tc]^T
+    def phi_tile(i, xi):  # [bt, C] x [K, C]^T
         dims = (((1,), (1,)), ((), ()))
-        return lax.dot_general(xi, phi_ref[i, ci], dims, precision=_HI, preferred_element_type=_F32)
+        return lax.dot_general(xi, phi_ref[i, 0], dims, precision=_HI, preferred_element_type=_F32)
 
-    xs = [x_ref[rows(j), :].astype(_F32) for j in range(n)]
+    xs = [x_ref[:, j, :].astype(_F32) for j in range(n)]
     mixed, msq, proj, sumsq = _accumulate_tile(
         y_ref[...].astype(_F32), xs, col, store_x, phi_tile, with_stats
     )
     if with_stats:
-        proj_ref[...] += proj
-        ss_ref[...] += sumsq
-    if not with_norm:  # h is the mixed tile itself: a [bt, tc] output block
-        h_ref[...] = mixed.astype(h_ref.dtype)
-        return
-    mix_ref[ci] = mixed
-    msq_ref[...] += msq
-
-    @pl.when(ci == nct - 1)
-    def _normalise():
-        inv = lax.rsqrt(msq_ref[...] / c_total + eps)
-        tc = mix_ref.shape[-1]
-        for t in range(nct):  # static slices of the resident [bt, C] block
-            sl = slice(t * tc, (t + 1) * tc)
-            h = mix_ref[t] * inv * g_ref[:, sl].astype(_F32)
-            h_ref[:, sl] = h.astype(h_ref.dtype)
+        rest[0][...] = proj
+        rest[1][...] = sumsq
+    if with_norm:
+        mixed = mixed * lax.rsqrt(msq / c_total + eps) * g_ref[...].astype(_F32)
+    h_ref[...] = mixed.astype(h_ref.dtype)
 
 
-def _tpu_dense_kernel(*refs, n, nct, with_norm, with_stats, eps, c_total):
+def _tpu_kernel(*refs, n, nct, with_norm, with_stats, eps, c_total):
     """Grid (token block t, C tile ci, stream i): one [bt, tc] tile of stream i per step."""
     xs_refs, (y_ref, hres_ref, hpost_ref, apre_ref, *rest) = refs[:n], refs[n:]
     g_ref = rest.pop(0) if with_norm else None
@@ -273,18 +259,16 @@ def block_specs(plan: Plan, num: int, n: int, c: int, k: int | None, x_dtype, wi
         if with_stats:
             outs += [tok(k, 4), tok(1, 4)]
         return grid, ins, outs
-    if plan.target == "tpu":
-        nct = c // tc
-        grid = (-(-num // bt), nct)
-        tok = lambda w, it: ((bt, w), lambda t, ci: (t, 0), it)
-        ins = [((bt * n, tc), lambda t, ci: (t, ci), xi), ((bt, tc), lambda t, ci: (t, ci), xi)]
+    if plan.target == "tpu":  # one tile of all of C (see _tpu_whole_c_kernel)
+        grid = (-(-num // bt),)
+        tok = lambda w, it: ((bt, w), lambda t: (t, 0), it)
+        ins = [((bt, n, c), lambda t: (t, 0, 0), xi), tok(c, xi)]
         ins += [tok(n * n, 4), tok(n, 4), tok(n, 4)]
         if with_norm:
-            ins.append(((1, c), lambda t, ci: (0, 0), 4))
+            ins.append(((1, c), lambda t: (0, 0), 4))
         if with_stats:
-            ins.append(((n, nct, k, tc), lambda t, ci: (0, 0, 0, 0), 4))
-        outs = [((bt * n, tc), lambda t, ci: (t, ci), xi)]
-        outs.append(((bt, c), lambda t, ci: (t, 0), oi) if with_norm else ((bt, tc), ins[1][1], oi))
+            ins.append(((n, 1, k, c), lambda t: (0, 0, 0, 0), 4))
+        outs = [((bt, n, c), lambda t: (t, 0, 0), xi), tok(c, oi)]
         if with_stats:
             outs += [tok(k, 4), tok(1, 4)]
         return grid, ins, outs
@@ -346,19 +330,20 @@ def single_pass_pallas(
     scratch = []
     x_ops = [x_NxnxC]
     if plan.target == "tpu":
-        dense = tpu_dense(plan)
-        body = _tpu_dense_kernel if dense else _tpu_kernel
-        kernel = functools.partial(body, **common, c_total=float(c))
-        # Free reshapes: [N, n*C] (stream j's tile ci is block column j*nct + ci; the same
-        # array is passed once per stream) or [N*n, C] (stream j = rows j, j+n, ...).
-        x_ops = [x_NxnxC.reshape(num, n * c)] * n if dense else [x_NxnxC.reshape(num * n, c)]
+        bt, tc = plan.block_tokens, plan.block_c
+        if tpu_dense(plan):
+            kernel = functools.partial(_tpu_kernel, **common, c_total=float(c))
+            # [N, n*C]: stream j's tile ci is block column j*nct + ci; the same array is
+            # passed once per stream.
+            x_ops = [x_NxnxC.reshape(num, n * c)] * n
+            scratch = [pltpu.VMEM((nct, bt, tc), _F32), pltpu.VMEM((bt, 1), _F32)]
+        else:  # X as it is, [N, n, C]
+            del common["nct"]
+            kernel = functools.partial(_tpu_whole_c_kernel, **common, c_total=float(c))
         if with_stats:  # [n, C, K] -> [n, C/tc, K, tc]: K on sublanes, tiles on a leading axis
-            phi_op = phi_nxCxK.reshape(n, nct, plan.block_c, k).transpose(0, 1, 3, 2)
-        if with_norm or dense:
-            bt = plan.block_tokens
-            scratch = [pltpu.VMEM((nct, bt, plan.block_c), _F32), pltpu.VMEM((bt, 1), _F32)]
+            phi_op = phi_nxCxK.reshape(n, nct, tc, k).transpose(0, 1, 3, 2)
         params = pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary") + (("arbitrary",) if dense else ()),
+            dimension_semantics=("parallel", "arbitrary", "arbitrary")[: len(grid)],
             vmem_limit_bytes=plan.vmem_limit_bytes,
         )
     else:

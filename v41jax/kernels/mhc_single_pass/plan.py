@@ -57,27 +57,29 @@ def _pow2(v: int) -> bool:
 
 
 def tpu_vmem_bytes(bt, tc, n, c, k, x_item, out_item, with_norm, with_stats) -> int:
-    """VMEM of the TPU kernel: double-buffered tiles, the resident h block and its f32
-    scratch, phi single-buffered (constant index map). Blocks are counted padded to the
-    (8 x packing, 128) tile. C tiles of 128-lane multiples take the stream-major form (n
-    stream tiles + y + one X_{l+1} tile); others the [bt*n, tc] row form."""
+    """VMEM of the TPU kernel: double-buffered blocks, counted padded to the (8 x packing,
+    128) tile. C tiles of 128-lane multiples take the stream-major form (n stream tiles, y
+    and one X_{l+1} tile of [bt, tc]; the resident h block [bt, C] and its f32 scratch);
+    otherwise the whole-C form ([bt, n, C] X blocks in and out; y and h [bt, C]), whose X
+    blocks take (4, 128) tiles (each token's n rows padded to a multiple of 4, as the TPU
+    compiler lays out [N, 4, C]). An upper bound of what Mosaic reports using
+    (``used_scoped_memory_configs``; n = 4, K = 24, v5e), e.g. C = 1000 bf16 at bt = 256:
+    12.6 MB modelled, 8.8 MB used; f32: 22.8 vs 17.4; C = 1024, bt = 256, tc = 512: 7.5 vs
+    6.4 (bf16), 11.7 vs 10.2 (f32)."""
     pad = lambda rows, cols, item: (
         -(-rows // (8 * max(1, 4 // item))) * 8 * max(1, 4 // item) * (-(-cols // 128) * 128) * item
     )
-    dense = tc % 128 == 0
-    if dense:
+    if tc % 128 == 0:
         total = 2 * (n + 2) * pad(bt, tc, x_item)
-    else:
-        total = 2 * (2 * pad(bt * n, tc, x_item) + pad(bt, tc, x_item))
-    total += 2 * (pad(bt, n * n, 4) + 2 * pad(bt, n, 4))  # h_res, h_post, a_pre
-    if with_norm or dense:
         total += 2 * pad(bt, c, out_item) + pad(bt, c, 4) + pad(bt, 1, 4)
     else:
-        total += 2 * pad(bt, tc, out_item)
+        x_block = bt * -(-n // 4) * 4 * -(-c // 128) * 128 * x_item
+        total = 2 * (2 * x_block + pad(bt, c, x_item) + pad(bt, c, out_item))
+    total += 2 * (pad(bt, n * n, 4) + 2 * pad(bt, n, 4))  # h_res, h_post, a_pre
     if with_norm:
-        total += pad(1, c, 4)
+        total += 2 * pad(1, c, 4)
     if with_stats:
-        total += n * pad(k, c, 4) + 2 * (pad(bt, k, 4) + pad(bt, 1, 4))
+        total += 2 * n * pad(k, c, 4) + 2 * (pad(bt, k, 4) + pad(bt, 1, 4))
     return total
 
 

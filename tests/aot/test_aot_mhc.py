@@ -1,0 +1,117 @@
+"""The Single-Pass mHC kernel compiled (not only lowered) for TPU v5e, n = 4 streams.
+
+Mosaic once refused C = 1000 (not a multiple of 128: one tile of all of C) in bf16 ("Strided
+load with non 32-bit data") and, as it turned out, in f32 too ("The last dim size is not
+128 in original base memref"): the streams were strided rows of an [N*n, C] view. The kernel
+now reads X in [bt, n, C] blocks of its own array (``_tpu_whole_c_kernel``). Asserted per
+compile, 8192 tokens sharded over the 8 chips of v5e:2x4 (1024 per chip): the Mosaic call is
+in the compiled program, and the scoped VMEM Mosaic reserved for it is within the kernel's
+own model (``plan.tpu_vmem_bytes``) and the limit the kernel asks for. Gradients go through
+the custom VJP (its backward is the XLA form), with the kernel in the forward. A shape the
+kernel cannot take is refused by ``make_plan`` before anything is lowered.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from v41jax.kernels import aot
+from v41jax.kernels.mhc_single_pass import mhc_single_pass
+from v41jax.kernels.mhc_single_pass.plan import TPU_VMEM_HARD_LIMIT, make_plan, tpu_vmem_bytes
+
+S = jax.ShapeDtypeStruct
+TOKENS, N, CHIPS = 8192, 4, 8
+K = N * N + 2 * N
+DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
+# (C, dtype): the odd width in both dtypes (refused by Mosaic before), and the 128-multiple
+# widths of the stream-major form (several C tiles) at the realistic end.
+FORWARD = [(1000, "bf16"), (1000, "f32"), (1024, "bf16"), (1024, "f32"), (7168, "bf16")]
+
+
+def _args(c, dtype):
+    """x, y, h_res, h_post, a_pre (token-sharded), phi, norm_scale (replicated)."""
+    f32 = jnp.float32
+    return [
+        S((TOKENS, N, c), dtype),
+        S((TOKENS, c), dtype),
+        S((TOKENS, N, N), f32),
+        S((TOKENS, N), f32),
+        S((TOKENS, N), f32),
+        S((N * c, K), f32),
+        S((c,), f32),
+    ]
+
+
+SPECS = [P("data")] * 5 + [P(), P()]
+
+
+def _step(mesh):
+    step = lambda *a: mhc_single_pass(*a, impl="pallas")  # noqa: E731
+    return jax.shard_map(
+        step, mesh=mesh, in_specs=tuple(SPECS), out_specs=(P("data"),) * 4, check_vma=False
+    )
+
+
+def _value_and_grad(mesh):
+    step = _step(mesh)
+
+    def loss(*a):
+        f = lambda v: jnp.sum(v.astype(jnp.float32) ** 2)  # noqa: E731
+        return sum(f(v) for v in step(*a))
+
+    # value_and_grad: with grad alone the forward's outputs are dead (the backward
+    # recomputes the XLA form) and the kernel would be pruned.
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+
+
+def _check_vmem(record, c, dtype):
+    """Mosaic's reservation <= the kernel's model <= the limit it asks for <= the cap."""
+    item = jnp.dtype(dtype).itemsize
+    per_chip = TOKENS // CHIPS
+    plan = make_plan(
+        "tpu",
+        num=per_chip,
+        n=N,
+        c=c,
+        k=K,
+        x_item=item,
+        out_item=item,
+        with_norm=True,
+        norm_eps=1e-6,
+        out_dtype=dtype,
+    )
+    model = tpu_vmem_bytes(plan.block_tokens, plan.block_c, N, c, K, item, item, True, True)
+    assert aot.MOSAIC_CUSTOM_CALL in record.custom_calls
+    assert len(record.scoped_vmem_bytes) == 1
+    used = record.scoped_vmem_bytes[0]
+    assert 0 < used <= model < plan.vmem_limit_bytes <= TPU_VMEM_HARD_LIMIT, (used, model, plan)
+    return plan
+
+
+@pytest.mark.parametrize("c,dtype", FORWARD, ids=[f"C{c}-{d}" for c, d in FORWARD])
+def test_forward_compiles_for_v5e(tpu_v5e, c, dtype):
+    mesh = aot.topology_mesh(tpu_v5e)
+    _, record = aot.compile_for(_step(mesh), _args(c, DTYPES[dtype]), mesh, in_specs=SPECS)
+    plan = _check_vmem(record, c, DTYPES[dtype])
+    # C = 1000 has no 128-multiple tile: the whole-C form; the others are tiled.
+    assert (plan.block_c == c) == (c % 128 != 0)
+
+
+@pytest.mark.parametrize("dtype", ["bf16"])
+def test_value_and_gradient_compile_for_v5e_at_the_odd_width(tpu_v5e, dtype):
+    mesh = aot.topology_mesh(tpu_v5e)
+    fn = _value_and_grad(mesh)
+    _, record = aot.compile_for(fn, _args(1000, DTYPES[dtype]), mesh, in_specs=SPECS)
+    _check_vmem(record, 1000, DTYPES[dtype])
+
+
+def test_a_width_whose_phi_overflows_vmem_is_refused_before_mosaic(tpu_v5e):
+    """C = 2^18: phi alone ([n, C, K] f32, 24 MiB, double-buffered) is over the VMEM cap.
+    The GPU kernel takes the shape, so impl="pallas" traces; lowered for TPU, make_plan's
+    ValueError names the need and the limit, before Mosaic sees a kernel."""
+    mesh = aot.topology_mesh(tpu_v5e)
+    args = aot.shaped_args(_args(1 << 18, jnp.bfloat16), mesh, SPECS)
+    traced = jax.jit(_step(mesh)).trace(*args)
+    with pytest.raises(ValueError, match=r"tpu kernel.*VMEM need \d+ bytes .* exceeds the limit"):
+        traced.lower()
