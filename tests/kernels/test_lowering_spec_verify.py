@@ -89,7 +89,7 @@ def test_whole_row_block_gets_a_vmem_limit():
         (spec_verify_rowloop, K, 384, "power of two on GPU, got 384"),
         (spec_verify_rowloop, K, 1 << 21, "2097152 is over Triton's 1048576 elements"),
         (spec_verify_blocked, K, 1000, r"multiple of 128 \(TPU lanes\) or >= V = 129280.*1000"),
-        (spec_verify_blocked, 31, V, r"K = 31 needs \d+ MiB of VMEM, over the 48 MiB limit"),
+        (spec_verify_blocked, 31, V, r"= 129280 at K = 31 needs \d+ bytes of VMEM .*48 MiB limit"),
     ],
 )
 def test_block_a_kernel_cannot_take_raises_before_lowering(kernel, k, block_v, match):

@@ -90,7 +90,7 @@ def _validate(draft_tokens, draft_probs, target_probs, verify_len, accept_u, rac
     return b, k, v
 
 
-def _choose(platform: str, impl: str, interpret, block_v, vocab: int, k: int, itemsize) -> tuple:
+def _choose(platform: str, impl: str, interpret, block_v, vocab, k, itemsize, has_q) -> tuple:
     """(kind, interpret, block_v or error message) of one platform's branch; kind is
     "reference", "blocked", "rowloop" or "error"."""
     if impl == "reference" or (impl == "auto" and platform == "cpu"):
@@ -102,7 +102,7 @@ def _choose(platform: str, impl: str, interpret, block_v, vocab: int, k: int, it
         return "error", False, "impl='pallas' on CPU needs interpret=True (or interpret=None)"
     kind = "rowloop" if platform == "cuda" else "blocked"
     try:
-        return kind, False, check_block_v(kind, bv, vocab, max(k, 1), itemsize)
+        return kind, False, check_block_v(kind, bv, vocab, max(k, 1), itemsize, has_q and k > 0)
     except ValueError as err:
         if impl == "auto":
             return "reference", False, 0
@@ -145,7 +145,9 @@ def spec_verify(
     outs = [jax.ShapeDtypeStruct((b, k + 1), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32)]
 
     def branch(platform):
-        kind, interp, bv = _choose(platform, impl, interpret, block_v, v, k, itemsize)
+        kind, interp, bv = _choose(
+            platform, impl, interpret, block_v, v, k, itemsize, draft_probs is not None
+        )
         if kind == "reference":
             return spec_verify_reference
         if kind == "error":

@@ -202,9 +202,9 @@ def spec_verify_blocked(
     has_q = draft_probs_BxKxV is not None
     itemsize = max(a.dtype.itemsize for a in (target_probs_BxK1xV, race_u_BxV))
     if not interpret:
-        check_block_v("blocked", block_v, width, k, itemsize)
+        check_block_v("blocked", block_v, width, k, itemsize, has_q)
     bv = min(block_v, width)  # one block equal to the whole row when it is short
-    vmem_limit = tpu_vmem_limit(blocked_vmem_bytes(k, bv, itemsize))
+    vmem_limit = tpu_vmem_limit(blocked_vmem_bytes(k, bv, itemsize, has_q))
     cost = verify_cost(b, k, width, (target_probs_BxK1xV, draft_probs_BxKxV, race_u_BxV))
     row = lambda *tail: pl.BlockSpec((None, *tail), lambda i, s: (i, 0, 0))
     vocab = lambda rows: pl.BlockSpec((None, rows, bv), lambda i, s: (i, 0, s))
