@@ -8,7 +8,8 @@ compile, 8192 tokens sharded over the 8 chips of v5e:2x4 (1024 per chip): the Mo
 in the compiled program, and the scoped VMEM Mosaic reserved for it is within the kernel's
 own model (``plan.tpu_vmem_bytes``) and the limit the kernel asks for. Gradients go through
 the custom VJP (its backward is the XLA form), with the kernel in the forward. A shape the
-kernel cannot take is refused by ``make_plan`` before anything is lowered.
+kernel cannot take is refused by ``make_plan`` before anything is lowered. For H100 (one host
+of 8) the Triton kernel compiles at C = 1024 and refuses C = 1000 by name.
 """
 
 import jax
@@ -21,6 +22,7 @@ from v41jax.kernels.mhc_single_pass import mhc_single_pass
 from v41jax.kernels.mhc_single_pass.plan import TPU_VMEM_HARD_LIMIT, make_plan, tpu_vmem_bytes
 
 S = jax.ShapeDtypeStruct
+GPU_CALL = "__gpu$xla.gpu.triton"  # a Triton kernel in a compiled CUDA program
 TOKENS, N, CHIPS = 8192, 4, 8
 K = N * N + 2 * N
 DTYPES = {"bf16": jnp.bfloat16, "f32": jnp.float32}
@@ -114,4 +116,16 @@ def test_a_width_whose_phi_overflows_vmem_is_refused_before_mosaic(tpu_v5e):
     args = aot.shaped_args(_args(1 << 18, jnp.bfloat16), mesh, SPECS)
     traced = jax.jit(_step(mesh)).trace(*args)
     with pytest.raises(ValueError, match=r"tpu kernel.*VMEM need \d+ bytes .* exceeds the limit"):
+        traced.lower()
+
+
+def test_gpu_kernel_compiles_for_h100_and_refuses_the_odd_width(cuda_h100):
+    """The Triton kernel at C = 1024 bf16 (power-of-two tiles) compiles for H100; C = 1000
+    has no power-of-two tile, so impl="pallas" lowered for CUDA is refused by name."""
+    mesh = aot.topology_mesh(cuda_h100)
+    fn = _step(mesh)
+    _, record = aot.compile_for(fn, _args(1024, jnp.bfloat16), mesh, in_specs=SPECS)
+    assert GPU_CALL in record.custom_calls
+    traced = jax.jit(fn).trace(*aot.shaped_args(_args(1000, jnp.bfloat16), mesh, SPECS))
+    with pytest.raises(ValueError, match=r"gpu kernel.*C=1000 needs a power-of-two tile"):
         traced.lower()

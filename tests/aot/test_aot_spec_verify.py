@@ -8,7 +8,8 @@ counts that scratch, calibrated on these compiles. Asserted per compile (B = 64 
 over the 8 chips of v5e:2x4; nothing allocated): the Mosaic call is in the program, the
 scoped VMEM Mosaic reserved is within the model, and the limit asked for is within the cap;
 a block whose limit would pass the cap is refused, naming block_v and the bytes, before the
-compiler sees it. The op has no gradient (integer outputs).
+compiler sees it. The Triton row loop compiles for H100 at the same scale. The op has no
+gradient (integer outputs).
 """
 
 import jax
@@ -85,3 +86,11 @@ def test_block_over_the_vmem_cap_is_refused_before_the_compiler(tpu_v5e, k, bloc
     pattern = rf"block_v = {block_v} at K = {k} needs \d+ bytes of VMEM .* over the 48 MiB"
     with pytest.raises(ValueError, match=pattern):
         traced.lower()
+
+
+def test_gpu_kernel_compiles_for_h100_over_the_whole_row(cuda_h100):
+    """The Triton row loop at K = 7, V = 129,280 (block_v 1024: a loop over the row)."""
+    mesh = aot.topology_mesh(cuda_h100)
+    fn, specs = _verify(mesh, 1024, True)
+    _, record = aot.compile_for(fn, _args(7, jnp.bfloat16, True), mesh, in_specs=specs)
+    assert "__gpu$xla.gpu.triton" in record.custom_calls
