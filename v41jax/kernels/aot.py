@@ -16,7 +16,7 @@ devices, runs ``.trace(*args).lower().compile()`` and returns the compiled objec
 ``CompileRecord``: the compiler's own ``memory_analysis()`` (per device: arguments,
 outputs, temporaries, generated code), ``cost_analysis()`` flops / bytes, and the custom
 call targets in the compiled program (``tpu_custom_call`` for a Mosaic kernel; a Triton
-kernel appears as a ``__triton`` fusion/custom call). What this proves: the program
+kernel appears as an ``xla.gpu.triton`` fusion). What this proves: the program
 compiles, and its memory fits the described chip. What it cannot: timings and the numerics
 of the compiled kernels (a run on the chip does that).
 
@@ -53,7 +53,7 @@ TPU_GENERATIONS = ("v4", "v5e", "v5p", "v6e")
 # The custom call of a Mosaic (Pallas TPU) kernel in a compiled TPU program.
 MOSAIC_CUSTOM_CALL = "tpu_custom_call"
 # Text of a Triton (Pallas GPU) kernel in a compiled GPU program.
-TRITON_MARKER = "__triton"
+TRITON_MARKER = "xla.gpu.triton"
 # CompiledMemoryStats fields kept in a CompileRecord (bytes per device).
 MEMORY_FIELDS = (
     "argument_size_in_bytes",
@@ -155,6 +155,7 @@ class CompileRecord:
     custom_calls: tuple[str, ...]  # custom_call_target names in the compiled program
     has_custom_call: bool | None  # whether ``custom_call`` (if asked) is in the program
     scoped_vmem_bytes: tuple[int, ...]  # TPU: scoped VMEM reserved per Mosaic kernel
+    kernels: tuple[tuple[str, str], ...] = ()  # kernel_ops(): (instruction, op_name) each
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -185,7 +186,30 @@ def scoped_vmem_bytes(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _memory(compiled) -> dict[str, int]:
+_INSTRUCTION_RE = re.compile(r"^\s*(?:ROOT )?%([\w.-]+?)(?:\.\d+)? = ")
+_OP_NAME_RE = re.compile(r'op_name="([^"]+)"')
+
+
+def kernel_ops(text: str) -> list[tuple[str, str]]:
+    """(instruction name without its ".N" suffix, op_name of its metadata) of every compiled
+    Pallas kernel (a Mosaic ``tpu_custom_call`` or a Triton fusion) in a compiled program's
+    text, in program order. The op_name is the JAX name stack, e.g.
+    ".../ffn_mix._single_pass/shard_map/pallas_call": it says which layer called it;
+    a library kernel with a name of its own shows it as the instruction name
+    ("splash_mqa_fwd_segmented_residuals")."""
+    out = []
+    for line in text.splitlines():
+        if MOSAIC_CUSTOM_CALL not in line and TRITON_MARKER not in line:
+            continue
+        name, op = _INSTRUCTION_RE.match(line), _OP_NAME_RE.search(line)
+        if name is None or "custom-call(" not in line and "fusion(" not in line:
+            continue
+        out.append((name.group(1), op.group(1) if op else ""))
+    return out
+
+
+def compiled_memory(compiled) -> dict[str, int]:
+    """``memory_analysis()`` of a compiled program as {MEMORY_FIELDS: bytes per device}."""
     stats = compiled.memory_analysis()
     if isinstance(stats, (list, tuple)):
         stats = stats[0] if stats else None
@@ -194,7 +218,8 @@ def _memory(compiled) -> dict[str, int]:
     return {f: int(getattr(stats, f)) for f in MEMORY_FIELDS if hasattr(stats, f)}
 
 
-def _cost(compiled) -> dict[str, float]:
+def compiled_cost(compiled) -> dict[str, float]:
+    """``cost_analysis()`` of a compiled program as a dict ({} where the backend has none)."""
     try:
         cost = compiled.cost_analysis()
     except Exception:  # noqa: BLE001 - some backends have none; the record says None
@@ -285,18 +310,19 @@ def compile_for(
         compiled = jitted.trace(*call_args).lower().compile()
     seconds = time.perf_counter() - start
     text = compiled.as_text() or ""
-    cost = _cost(compiled)
+    cost = compiled_cost(compiled)
     device = mesh.devices.flat[0]
     record = CompileRecord(
         platform=device.platform,
         device_kind=getattr(device, "device_kind", ""),
         num_devices=mesh.devices.size,
         seconds=round(seconds, 2),
-        memory=_memory(compiled),
+        memory=compiled_memory(compiled),
         flops=cost.get("flops"),
         bytes_accessed=cost.get("bytes accessed"),
         custom_calls=custom_call_targets(text),
         has_custom_call=None if custom_call is None else custom_call in text,
         scoped_vmem_bytes=scoped_vmem_bytes(text),
+        kernels=tuple(kernel_ops(text)),
     )
     return compiled, record

@@ -34,13 +34,16 @@ same lagged equations step by step with ``mhc_coefficients`` computed from X_l d
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from v41jax import ops
+from v41jax import ops, sharding
 from v41jax.kernels.mhc_single_pass import mhc_single_pass, single_pass_step_reference
 from v41jax.kernels.mhc_single_pass.reference import rms_norm_f32
 from v41jax.mhc.config import MHCConfig
@@ -118,20 +121,31 @@ def single_pass_step(
 
     a_pre is A_l (the H_pre of X_l), phi_next the folded phi' of sub-layer l+1 (None: no
     statistics), norm_scale_next g_{l+1}. See ``v41jax.kernels.mhc_single_pass``.
+
+    Under an active multi-device mesh (``jax.set_mesh``) a kernel impl ("pallas", "auto")
+    runs per device inside a ``shard_map`` over the batch axes: a Pallas call cannot be
+    partitioned by GSPMD, and the step is per token, so each device's rows need nothing
+    from the others. A batch the axes do not divide is computed whole on every device.
     """
-    return mhc_single_pass(
-        x_BxTxNxC,
-        y_BxTxC,
-        h_res,
-        h_post,
-        a_pre,
-        phi_next,
-        norm_scale_next,
-        norm_eps=norm_eps,
-        out_dtype=out_dtype,
-        impl=impl,
-        interpret=interpret,
+    step = functools.partial(
+        mhc_single_pass, norm_eps=norm_eps, out_dtype=out_dtype, impl=impl, interpret=interpret
     )
+    args = (x_BxTxNxC, y_BxTxC, h_res, h_post, a_pre, phi_next, norm_scale_next)
+    mesh = jax.sharding.get_abstract_mesh()
+    if impl in ("xla", "reference") or mesh.empty or mesh.size == 1:
+        return step(*args)
+    axes = tuple(a for a in sharding.BATCH_MESH_AXES if mesh.shape.get(a, 1) > 1)
+    if x_BxTxNxC.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        axes = ()
+    rows = P(axes or None)
+    smap = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(rows,) * 5 + (P(), P()),
+        out_specs=rows,
+        check_vma=False,  # the Pallas call carries no varying-axes annotation
+    )
+    return smap(*args)
 
 
 SublayerFn = Callable[[jax.Array], jax.Array]

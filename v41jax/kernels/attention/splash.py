@@ -26,6 +26,7 @@ same kernel in the Pallas interpreter (CPU tests).
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import math
 
@@ -50,10 +51,15 @@ def splash_block(block_size: int, t: int) -> int:
 @functools.lru_cache(maxsize=64)
 def _kernel(heads: int, t_pad: int, block: int, interpret: bool):
     """The splash MQA kernel for `heads` query heads per kv head over t_pad tokens (cached:
-    the block mask is worked out once per shape, in numpy). Built under
-    `ensure_compile_time_eval` so its mask arrays are constants, never a trace's tracers."""
-    with jax.ensure_compile_time_eval():
-        return _make_kernel(heads, t_pad, block, interpret)
+    the block mask is worked out once per shape, in numpy).
+
+    Built in a thread of its own: JAX's trace and mesh contexts are thread-local, so there
+    its mask arrays become concrete arrays on the host's default device (constants of the
+    program, never a trace's tracers), even when the caller traces under a mesh of
+    compile-only devices (`v41jax.kernels.aot`), where evaluating them would mean
+    executing on devices that cannot run anything."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(_make_kernel, heads, t_pad, block, interpret).result()
 
 
 def _make_kernel(heads: int, t_pad: int, block: int, interpret: bool):
