@@ -229,12 +229,26 @@ def host_decode_table(d: dict) -> str:
     return _md(header, rows)
 
 
+def kernel_bytes_table(d: dict) -> str:
+    rows = [
+        [r["kernel"], r["case"], r["unit"], f"{r['bound_bytes']:,.0f}", f"{r['model_bytes']:,.0f}"]
+        + [f"{r['kernel_bytes']:,.0f}", f"{r['program_bytes']:,.0f}"]
+        + [f"{r['model_over_bound']:.2f}", f"{r['program_over_bound']:.2f}"]
+        + [f"{r['scoped_vmem_mib']:.2f}"]
+        for r in d["rows"]
+    ]
+    header = ["kernel", "case", "per", "bound B", "kernel's model B", "Mosaic call B"]
+    header += ["program B (cost_analysis)", "model / bound", "program / bound", "VMEM MiB"]
+    return _md(header, rows)
+
+
 SECTIONS = (
     ("train", "Training throughput", train_table),
     ("engram", "Engram vs an equal-parameter dense FFN", engram_table),
     ("engram", "Lookup bandwidth", bandwidth_table),
     ("verify", "Speculative verification", verify_table),
     ("mhc", "mHC residual path", mhc_tables),
+    ("kernel_bytes", "Kernel bytes from the TPU compiler", kernel_bytes_table),
     ("attention", "Attention implementations", attention_tables),
     ("compile", "Compile time vs depth", compile_table),
     ("table_file", "Engram tables in a file", table_file_table),

@@ -34,6 +34,10 @@ BENCHMARKS = {
         "v41jax.bench.compile_bench",
         "train-step compile time and program size vs depth, scanned vs unrolled layers",
     ),
+    "kernel_bytes": (
+        "v41jax.bench.kernel_bytes_bench",
+        "each Pallas kernel compiled for a TPU chip: its bytes vs its own model and the bound",
+    ),
     "table_file": (
         "v41jax.bench.table_file_bench",
         "memory-mapped Engram table gathers: rows/s and page-cache hits vs table size",
