@@ -94,3 +94,16 @@ def test_gpu_kernel_compiles_for_h100_over_the_whole_row(cuda_h100):
     fn, specs = _verify(mesh, 1024, True)
     _, record = aot.compile_for(fn, _args(7, jnp.bfloat16, True), mesh, in_specs=specs)
     assert "__gpu$xla.gpu.triton" in record.custom_calls
+
+
+@pytest.mark.parametrize("topology", ["v5p:2x2x2", "v6e:2x4"])
+def test_whole_row_compiles_for_other_generations(tpu_v5e, topology):
+    """The whole V = 129,280 row at K = 7 (one-hot drafts, and bf16 laws) on 8 chips of v5p
+    and v6e: compiled, Mosaic's reservation within the limit the kernel asks for."""
+    mesh = aot.topology_mesh(aot.tpu_topology(topology))
+    for dtype, with_q in (("f32", False), ("bf16", True)):
+        fn, specs = _verify(mesh, V, with_q)
+        _, record = aot.compile_for(fn, _args(7, DTYPES[dtype], with_q), mesh, in_specs=specs)
+        limit = tpu_vmem_limit(blocked_vmem_bytes(7, V, 4, with_q))
+        (used,) = record.scoped_vmem_bytes
+        assert 0 < used <= limit <= TPU_MAX_VMEM, (topology, dtype, used, limit)
