@@ -100,6 +100,38 @@ def test_bad_platform_and_mesh_are_errors(capsys):
     assert "--platform 'x'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--platform", "cuda", "--topology", "v5e:2x4"], "--topology 'v5e:2x4' is a TPU slice"),
+        (["--platform", "tpu", "--topology", "v9:2x4"], "--topology 'v9:2x4': expected"),
+        (["--platform", "tpu", "--topology", "v5e"], "--topology 'v5e': expected"),
+        (["--platform", "tpu", "--gpu", "h100"], "--gpu 'h100' is a CUDA device"),
+        (["--platform", "cuda", "--gpu", "a100"], "--gpu 'a100': known GPU target configs"),
+        (["--topology", "v5e:2x4", "--gpu", "h100"], "give one (TPU or CUDA)"),
+    ],
+)
+def test_bad_compile_targets_are_named_before_anything_compiles(extra, message, capsys):
+    argv = ["plan", "--config", "tiny", "--mesh", "data=8", *extra]
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_missing_target_compiler_is_one_line(capsys, monkeypatch):
+    """Without the aot extra (libtpu / the CUDA plugin), --topology and --gpu say what to
+    install, in one line, before the CPU compile."""
+    from v41jax.kernels import aot
+
+    monkeypatch.setattr(aot, "missing_tpu_compiler", lambda: "libtpu is not installed (x)")
+    monkeypatch.setattr(aot, "missing_cuda_compiler", lambda: "no CUDA plugin (y)")
+    argv = ["plan", "--config", "tiny", "--mesh", "data=8"]
+    assert plan_main([*argv, "--topology", "v5e:2x4"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --topology: libtpu is not installed (x)"
+    assert plan_main([*argv, "--platform", "cuda", "--gpu", "h100"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --gpu: no CUDA plugin (y)"
+
+
 def test_cli_reports_not_fitting_a_tiny_device(tmp_path, capsys):
     out = tmp_path / "plan.json"
     argv = ["plan", "--config", "tiny", "--mesh", "data=2", "--device-memory", "1MiB"]
@@ -172,3 +204,31 @@ def test_readme_table_is_the_committed_plans():
     for name in ("1b_tpu", "8b_cuda"):  # the two full tables
         with open(os.path.join(ROOT, "experiments", "plan", f"{name}.txt")) as f:
             assert f.read().strip() in readme, name
+
+
+def test_a_target_the_compiler_refuses_is_a_verdict_not_a_crash():
+    """libtpu refuses a step whose temporaries exceed the chip's HBM (RESOURCE_EXHAUSTED):
+    the plan's table and the README table say so, with the compiler's figure."""
+    from v41jax.train.plan_cli import format_plan
+
+    r = dict(_tiny_plan(data=2))
+    error = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (20.19G) exceeds available HBM (15.75G)."
+    )
+    r["target_compile"] = {
+        "platform": "tpu", "target": "v5e:2x4", "chip": "TPU v5e", "devices": 8,
+        "memory": {}, "peak_bytes": None, "device_memory": 15 << 30, "fits": False,
+        "headroom_bytes": None, "flops_per_device": None, "pallas_kernels": None,
+        "compile_seconds": 1.0, "compiler_error": error,
+    }  # fmt: skip
+    text = format_plan(r)
+    assert "NO (the compiler refused it: RESOURCE_EXHAUSTED" in text
+    sys.path.insert(0, os.path.join(ROOT, "experiments", "plan"))
+    try:
+        import table
+    finally:
+        sys.path.pop(0)
+    assert "20.19G (refused)" in table.row_of(r, "x") and "the compiler refuses it" in table.row_of(
+        r, "x"
+    )

@@ -30,6 +30,7 @@ VARIANTS = {
     "mhc": [
         "model.mhc.n_streams=4",
         "model.mhc.form=single_pass",
+        "model.mhc.single_pass_impl=auto",  # the kernel on TPU / GPU, the XLA form on CPU
         "train.microbatches=4",
     ],
 }

@@ -36,6 +36,13 @@ def add_plan_parser(sub) -> None:
     )
     p.add_argument("--peak-flops", type=float, help="per device (default: the platform's)")
     p.add_argument("--no-lower", action="store_true", help="skip lowering for --platform")
+    p.add_argument(
+        "--topology",
+        help="also compile for this TPU slice, e.g. v5e:2x4 (needs libtpu: the aot extra)",
+    )
+    p.add_argument(
+        "--gpu", help="also compile for this many GPUs, e.g. h100, h200 (needs the aot extra)"
+    )
     p.add_argument("--json", help="also write the plan as JSON here")
     p.add_argument(
         "--set",
@@ -56,6 +63,9 @@ def run_plan(args) -> int:
     check_platform(args.platform)
     memory = parse_bytes(args.device_memory) if args.device_memory else None
     n = devices_needed(mesh_axes)
+    chip = None
+    if args.topology or args.gpu:  # before the CPU compile: a bad target fails in a second
+        chip = _check_target(args)
     from jax._src import xla_bridge
 
     if not xla_bridge.backends_are_initialized():  # XLA reads the flag when jax starts
@@ -75,9 +85,26 @@ def run_plan(args) -> int:
     from v41jax.train.plan import plan
 
     cfg = config_lib.override(config_lib.get_config(args.config), args.overrides)
-    report = plan(
-        cfg, mesh_axes, args.platform, memory, args.peak_flops, lower_target=not args.no_lower
-    )
+    if chip is not None:  # the CPU estimate is judged against the same chip
+        memory = memory if memory is not None else chip.memory
+        peak_flops = args.peak_flops or chip.peak_flops
+    else:
+        peak_flops = args.peak_flops
+    report = plan(cfg, mesh_axes, args.platform, memory, peak_flops, lower_target=not args.no_lower)
+    if chip is not None:
+        from v41jax.train.plan import abstract_batch, planned_config
+        from v41jax.train.plan_target import compile_on_target
+
+        report["device"] = chip.name
+        report["target_compile"] = compile_on_target(
+            planned_config(cfg, mesh_axes),
+            mesh_axes,
+            abstract_batch,
+            args.platform,
+            topology=args.topology,
+            gpu=args.gpu,
+            device_memory=memory,
+        )
     report["command"] = "python -m v41jax " + " ".join(_argv(args, for_record=True))
     print(format_plan(report))
     if args.json:
@@ -86,6 +113,22 @@ def run_plan(args) -> int:
             json.dump(report, f, indent=2)
             f.write("\n")
     return 0
+
+
+def _check_target(args):
+    """The chip of --topology / --gpu, its compiler present (ValueError naming what is not)."""
+    if args.gpu:  # no CUDA driver here: the plugin compiles for the described GPU only
+        os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    # libtpu's lock file claims the (here absent) TPU for one process; compiling needs none
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from v41jax.kernels import aot
+    from v41jax.train.plan_target import target_chip
+
+    chip, _ = target_chip(args.platform, args.topology, args.gpu)
+    missing = aot.missing_tpu_compiler() if args.topology else aot.missing_cuda_compiler()
+    if missing:
+        raise ValueError(f"--{'topology' if args.topology else 'gpu'}: {missing}")
+    return chip
 
 
 def _with_device_count(flags: str, n: int) -> str:
@@ -103,6 +146,10 @@ def _argv(args, for_record: bool = False) -> list[str]:
         out += ["--peak-flops", str(args.peak_flops)]
     if args.no_lower:
         out.append("--no-lower")
+    if args.topology:
+        out += ["--topology", args.topology]
+    if args.gpu:
+        out += ["--gpu", args.gpu]
     if args.json and not for_record:
         out += ["--json", args.json]
     for s in args.overrides:
@@ -118,38 +165,94 @@ def _gib(n: float) -> str:
 
 
 def format_plan(r: dict) -> str:
-    """The plan as a text table (markdown), every number per device unless it says so."""
+    """The plan as a text table (markdown), every number per device unless it says so; with
+    a target compile (--topology / --gpu) a third column holds the target compiler's own
+    figures beside the CPU estimate."""
     b, f = r["bytes_per_device"], r["flops"]
+    t = r.get("target_compile")
+    tm = t["memory"] if t else {}
     mesh = ",".join(f"{k}={v}" for k, v in r["mesh"].items())
     batch, seq = r["global_batch"]
     xla_flops, step_s = f["xla_cost_analysis_per_device"], f"{r['step_seconds_at_peak']:.3f} s"
+
+    def target(key):
+        return _gib(tm[key]) if key in tm else ""
+
+    def verdict(fits, headroom):
+        if headroom is None:  # the compiler refused the step for memory
+            return "NO (the compiler refused it: " + t["compiler_error"][:160] + ")"
+        return f"{'yes' if fits else 'NO'} (headroom {_gib(headroom)})"
+
     rows = [
-        ("parameters", _gib(b["params"])),
-        ("optimizer state", _gib(b["optimizer_state"])),
-        ("batch (+ step, rng)", _gib(b["batch"] + b["step_and_rng"])),
-        ("arguments (compiled)", _gib(b["arguments"])),
-        ("outputs (compiled; aliased to the donated state)", _gib(b["outputs"])),
-        ("aliased (compiled)", _gib(b["aliased"])),
-        ("activations + temporaries (compiled)", _gib(b["temporaries"])),
-        ("peak = arguments + outputs - aliased + temporaries", _gib(b["peak"])),
-        (f"device memory ({r['device']})", _gib(r["device_memory"])),
-        ("fits", f"{'yes' if r['fits'] else 'NO'} (headroom {_gib(r['headroom_bytes'])})"),
-        ("FLOPs/step, model (6 N + attention), global", f"{f['model_global']:.4g}"),
-        ("FLOPs/step, program matmuls (jaxpr), global", f"{f['program_matmul_global']:.4g}"),
-        ("FLOPs/step, XLA cost analysis, per device (loops once)", f"{xla_flops:.4g}"),
-        ("MFU bound (model / program matmul FLOPs)", _pct(r["mfu_bound"])),
-        (f"step time at peak ({r['peak_flops_per_device']:.4g} FLOP/s)", step_s),
-        (f"lowers for {r['platform']}", _lowering(r["target_lowering"])),
+        ("parameters", _gib(b["params"]), ""),
+        ("optimizer state", _gib(b["optimizer_state"]), ""),
+        ("batch (+ step, rng)", _gib(b["batch"] + b["step_and_rng"]), ""),
+        ("arguments (compiled)", _gib(b["arguments"]), target("argument_size_in_bytes")),
+        (
+            "outputs (compiled; aliased to the donated state)",
+            _gib(b["outputs"]),
+            target("output_size_in_bytes"),
+        ),  # fmt: skip
+        ("aliased (compiled)", _gib(b["aliased"]), target("alias_size_in_bytes")),
+        (
+            "activations + temporaries (compiled)",
+            _gib(b["temporaries"]),
+            target("temp_size_in_bytes"),
+        ),  # fmt: skip
+        (
+            "generated code (compiled)",
+            _gib(b["generated_code"]),
+            target("generated_code_size_in_bytes"),
+        ),  # fmt: skip
+        (
+            "peak = arguments + outputs - aliased + temporaries + code",
+            _gib(b["peak"]),
+            _gib(t["peak_bytes"]) if t and t["peak_bytes"] is not None else "",
+        ),  # fmt: skip
+        (
+            f"device memory ({r['device']})",
+            _gib(r["device_memory"]),
+            _gib(t["device_memory"]) if t else "",
+        ),  # fmt: skip
+        (
+            "fits",
+            verdict(r["fits"], r["headroom_bytes"]),
+            verdict(t["fits"], t["headroom_bytes"]) if t else "",
+        ),  # fmt: skip
+        ("FLOPs/step, model (6 N + attention), global", f"{f['model_global']:.4g}", ""),
+        ("FLOPs/step, program matmuls (jaxpr), global", f"{f['program_matmul_global']:.4g}", ""),
+        (
+            "FLOPs/step, XLA cost analysis, per device (loops once)",
+            f"{xla_flops:.4g}",
+            f"{t['flops_per_device']:.4g}" if t and t["flops_per_device"] else "",
+        ),  # fmt: skip
+        ("MFU bound (model / program matmul FLOPs)", _pct(r["mfu_bound"]), ""),
+        (f"step time at peak ({r['peak_flops_per_device']:.4g} FLOP/s)", step_s, ""),
+        (f"lowers for {r['platform']}", _lowering(r["target_lowering"]), ""),
     ]
-    width = max(len(k) for k, _ in rows)
+    if t:
+        kind = "Mosaic" if t["platform"] == "tpu" else "Triton"
+        count = "-" if t["pallas_kernels"] is None else f"{t['pallas_kernels']} {kind}"
+        rows.append(("Pallas kernels in the compiled program", "", count))
+    width = max(len(k) for k, *_ in rows)
     head = (
         f"plan: {r['config']} ({_count(r['params'])} params), mesh {mesh} on {r['devices']} "
         f"x {r['device']}, batch {batch} x {seq} tokens\n"
         f"settings: {', '.join(f'{k}={v}' for k, v in r['settings'].items())}\n"
         f"bytes per device from the {r['bytes_source']}; compiled in {r['compile_seconds']} s\n"
     )
-    lines = [f"| {'per device':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
-    lines += [f"| {k:<{width}} | {v} |" for k, v in rows]
+    if not t:
+        lines = [f"| {'per device':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
+        lines += [f"| {k:<{width}} | {v} |" for k, v, _ in rows]
+        return head + "\n".join(lines)
+    col = f"compiled for {t['devices']} x {t['chip']} ({t['target']})"
+    head += f"target column: the {t['platform']} compiler's own figures; compiled in "
+    head += f"{t['compile_seconds']} s\n"
+    lines = [
+        f"| {'per device':<{width}} | CPU estimate | {col} |",
+        f"|{'-' * (width + 2)}|---|---|",
+    ]
+    lines += [f"| {k:<{width}} | {v} | {tv} |" for k, v, tv in rows]
     return head + "\n".join(lines)
 
 
