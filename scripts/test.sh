@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The fast test suite (CPU; kernels in Pallas interpret mode; 8 fake devices for multi-device).
-#   bash scripts/test.sh            fast suite
+#   bash scripts/test.sh            fast suite, then the compile-for-the-chip tier (tests/aot
+#                                   in .venv-aot: scripts/test_aot.sh; V41JAX_TEST_AOT=0 skips it)
 #   bash scripts/test.sh --slow     only the slow-marked tests
-#   bash scripts/test.sh -k resume  extra arguments go to pytest
+#   bash scripts/test.sh -k resume  extra arguments go to pytest (the fast suite only)
 # Tests run in one worker process per core (pytest-xdist; whole files per worker, so a file's
 # cached models compile once): test time is mostly single-threaded XLA compilation.
 # V41JAX_TEST_WORKERS=1 runs them in one process.
@@ -20,5 +21,13 @@ if [ "${1:-}" = "--slow" ]; then
   marker="slow"
   shift
 fi
-exec python -m pytest -m "$marker" -n "${V41JAX_TEST_WORKERS:-auto}" --dist loadfile \
-  --max-worker-restart=0 --durations=10 "$@"
+run_aot=0
+if [ $# -eq 0 ] && [ "$marker" = "not slow" ] && [ "${V41JAX_TEST_AOT:-1}" != "0" ]; then
+  run_aot=1
+fi
+python -m pytest -m "$marker" -n "${V41JAX_TEST_WORKERS:-auto}" --dist loadfile \
+  --max-worker-restart=0 --durations=10 "$@" || exit $?
+if [ "$run_aot" = 1 ]; then
+  # its own venv and environment (libtpu, the CUDA plugin); 43 compiles, minutes on 2 cores
+  exec bash "$(dirname "${BASH_SOURCE[0]}")/test_aot.sh"
+fi
