@@ -1,4 +1,5 @@
-"""The architecture stays visible: one-way imports, small files, lint-clean code."""
+"""The architecture stays visible: one-way imports, no private names taken across modules,
+small files, lint-clean code."""
 
 import ast
 import pathlib
@@ -27,7 +28,10 @@ LAYERS = [
     "sweep",
     "bench",
 ]
-MAX_LINES = 400
+# Files of one concept: about 400-600 lines. 600 is the hard stop; a file is cut along its
+# concepts well before, never squeezed under a line count (private names stay private:
+# test_no_private_names_across_modules).
+MAX_LINES = 600
 
 
 def _layer(module: str) -> str | None:
@@ -75,6 +79,61 @@ def test_imports_flow_one_way():
             if there and LAYERS.index(there) > LAYERS.index(here):
                 bad.append(f"{path.relative_to(PACKAGE)} ({here}) imports {module} ({there})")
     assert not bad, bad
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_names_used_across_modules(path: pathlib.Path) -> list[str]:
+    """`from v41jax.x import _y` and `x._y` (x a v41jax module bound by an import) in `path`:
+    each as "line: module._name". A module's private names are its own; what another
+    module needs is public."""
+    tree = ast.parse(path.read_text())
+    modules = {_module_name(p) for p in PACKAGE.rglob("*.py")}
+    bound: dict[str, str] = {}  # local name -> the v41jax module it is
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("v41jax"):
+            for a in node.names:
+                if _private(a.name):
+                    found.append(f"{node.lineno}: {node.module}.{a.name}")
+                elif f"{node.module}.{a.name}" in modules:
+                    bound[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("v41jax") and a.asname:
+                    bound[a.asname] = a.name
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in bound
+            and _private(node.attr)
+        ):
+            found.append(f"{node.lineno}: {bound[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_private_names_across_modules():
+    found = {
+        str(p.relative_to(ROOT)): hits
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if (hits := private_names_used_across_modules(p))
+    }
+    assert not found, found
+
+
+def test_private_name_check_catches_both_forms(tmp_path):
+    """Negative control: a module that takes a private name both ways is named twice."""
+    bad = tmp_path / "probe.py"
+    bad.write_text(
+        "from v41jax.model.generate import _helper\n"
+        "from v41jax.dspark import train as T\n"
+        "x = T._relative\n"
+    )
+    hits = private_names_used_across_modules(bad)
+    assert hits == ["1: v41jax.model.generate._helper", "3: v41jax.dspark.train._relative"]
 
 
 def test_every_subpackage_has_a_layer():

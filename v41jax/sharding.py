@@ -92,11 +92,6 @@ def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> M
     return Mesh(grid, MESH_AXES)  # Auto axis types: XLA propagates shardings from constraints
 
 
-def logical_to_sharding(mesh: Mesh, logical_axes: Sequence[str | None]) -> NamedSharding:
-    spec = nn.logical_to_mesh_axes(tuple(logical_axes), LOGICAL_AXIS_RULES)
-    return NamedSharding(mesh, spec)
-
-
 def mesh_axes_of(logical_name: str) -> tuple[str, ...]:
     """The mesh axes a logical axis name maps to (empty when replicated)."""
     for name, axes in LOGICAL_AXIS_RULES:

@@ -113,7 +113,7 @@ def test_a_signal_stops_every_drafter_at_one_step_and_the_rerun_resumes_exactly(
 
     from v41jax.dspark import train as T
 
-    anchors_at = T._anchors_at
+    anchors_at = T.anchors_at
 
     def signal_at_step_3(seed, step, *args):
         if step == 2:  # the anchors of step 3 (steps count from 1)
@@ -122,7 +122,7 @@ def test_a_signal_stops_every_drafter_at_one_step_and_the_rerun_resumes_exactly(
 
     runs = {str(tmp_path / "a"): cfg(), str(tmp_path / "b"): cfg("train.steps=6")}
     with monkeypatch.context() as m:
-        m.setattr(T, "_anchors_at", signal_at_step_3)
+        m.setattr(T, "anchors_at", signal_at_step_3)
         stopped = train_drafters(runs, target, progress=False)
     assert all(r == {"step": 3, "stopped": True} for r in stopped.values()), stopped
     for w in runs:

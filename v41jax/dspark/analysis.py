@@ -77,7 +77,7 @@ def _check_rounds(verify_len, accepted, active, k: int):
     return length, acc, act
 
 
-def _check_log(confidence, verify_len, accepted, active):
+def check_log(confidence, verify_len, accepted, active):
     """(c float64 [R, B, K], L, A, active [R, B], K), validated; c in [0, 1]."""
     c = np.asarray(confidence, np.float64)
     if c.ndim != 3 or c.shape[2] < 1:
@@ -192,7 +192,7 @@ def calibration(confidence, verify_len, accepted, active, bins: int = 10) -> dic
     """
     if isinstance(bins, bool) or not isinstance(bins, int | np.integer) or bins < 1:
         raise ValueError(f"bins={bins!r} must be an int >= 1")
-    c, length, acc, act, k = _check_log(confidence, verify_len, accepted, active)
+    c, length, acc, act, k = check_log(confidence, verify_len, accepted, active)
     reached, ok = _masks(length, acc, act, k)
     names = ("confidence", "acceptance")
     table, ece = _binned(c[reached], ok[reached], 1.0, bins, names)
@@ -235,7 +235,7 @@ def merge_logs(logs: Sequence[Mapping[str, Any]]) -> dict[str, np.ndarray]:
         missing = [key for key in LOG_KEYS if key not in log]
         if missing:
             raise ValueError(f"log {i} lacks keys {missing}")
-        c, length, acc, act, _ = _check_log(*(log[key] for key in LOG_KEYS))
+        c, length, acc, act, _ = check_log(*(log[key] for key in LOG_KEYS))
         arrays.append({"confidence": c, "verify_len": length, "accepted": acc, "active": act})
     ks = {a["confidence"].shape[2] for a in arrays}
     if len(ks) != 1:

@@ -36,7 +36,7 @@ from v41jax.dspark.config import DrafterConfig
 from v41jax.dspark.drafter import FrozenTarget, frozen_target
 from v41jax.dspark.rounds import DSparkProposer, ScheduledWidth
 from v41jax.dspark.scheduler import CostTable
-from v41jax.model.generate import _check_compression
+from v41jax.model.generate import check_compression
 from v41jax.model.sampling import Scalar, sampling_knobs
 from v41jax.model.speculative_engine import Ctx, Static, check_prompt_batch, draft_step
 from v41jax.model.speculative_loops import host_segment, host_start, plain_segment, run_rounds
@@ -144,7 +144,7 @@ def dspark_generate(
     if cost is not None and not isinstance(cost, CostTable):
         raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
     knobs = sampling_knobs(temperature, top_k, top_p, min_p)
-    _check_compression(target_cfg, compression)
+    check_compression(target_cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
     lengths = jnp.asarray(prompt_lengths_B, jnp.int32)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from v41jax.dspark.admission import first_width
-from v41jax.dspark.analysis import _check_log
+from v41jax.dspark.analysis import check_log
 from v41jax.dspark.rounds import ENGINE_BASIS
 from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
 
@@ -115,7 +115,7 @@ def replay_policies(
     `schedule_verify_lengths` (e.g. min_gain). Returns {"fixed": [K], "oracle": float,
     "oracle_widths": mean width, "scheduled": {basis: float}, "scheduled_widths": {basis:
     mean width}, "plain": width 0's throughput or None (no B-token entry), "rounds": R'}."""
-    conf, length, acc, act, k = _check_log(confidence, verify_len, accepted, active)
+    conf, length, acc, act, k = check_log(confidence, verify_len, accepted, active)
     if not isinstance(cost, CostTable):
         raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
     if not act.any():

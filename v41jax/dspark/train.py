@@ -54,7 +54,7 @@ from v41jax.train.checkpoint import Checkpointer
 CONFIG_FILE = "drafter.json"
 
 
-def _check_record(workdir: str, record: dict) -> bool:
+def check_record(workdir: str, record: dict) -> bool:
     """False for a new run; True for a resumable one; ValueError for a different one. The
     target's path may differ (a moved target) when its identity and step agree."""
     path = os.path.join(workdir, CONFIG_FILE)
@@ -85,7 +85,7 @@ def _check_record(workdir: str, record: dict) -> bool:
     return True
 
 
-def _write_record(workdir: str, record: dict) -> None:
+def write_record(workdir: str, record: dict) -> None:
     os.makedirs(workdir, exist_ok=True)
     path = os.path.join(workdir, CONFIG_FILE)
     with open(f"{path}.tmp", "w") as f:
@@ -93,7 +93,7 @@ def _write_record(workdir: str, record: dict) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-def _relative(path: str, workdir: str) -> str:
+def relative_to_workdir(path: str, workdir: str) -> str:
     return os.path.relpath(os.path.abspath(path), os.path.abspath(workdir))
 
 
@@ -124,7 +124,7 @@ def check_target(workdir: str, record: dict, target) -> None:
         )
 
 
-def _load_record(workdir: str) -> dict:
+def load_record(workdir: str) -> dict:
     path = os.path.join(workdir, CONFIG_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{workdir} holds no drafter run (no {CONFIG_FILE})")
@@ -133,7 +133,7 @@ def _load_record(workdir: str) -> dict:
 
 def load_drafter_config(workdir: str) -> tuple[DrafterRunConfig, dict]:
     """(the run's config, its JSON record: target_workdir, target_step, ...)."""
-    record = _load_record(workdir)
+    record = load_record(workdir)
     return config_lib.from_dict(DrafterRunConfig, record["config"]), record
 
 
@@ -179,11 +179,11 @@ def make_train_step(cfg: DrafterRunConfig, target_cfg, layer_ids, params):
     return optimizer, step
 
 
-def _anchors_at(seed: int, step: int, batch_size: int, seq_len: int, n: int) -> np.ndarray:
+def anchors_at(seed: int, step: int, batch_size: int, seq_len: int, n: int) -> np.ndarray:
     return sample_anchors(np.random.default_rng([seed, step]), batch_size, seq_len, n)
 
 
-def _flat(metrics: dict) -> dict:
+def flat_metrics(metrics: dict) -> dict:
     out = {}
     for name, value in metrics.items():
         value = np.asarray(value)
@@ -199,7 +199,7 @@ def evaluate_drafter(cfg, target, frozen, params, batches, layer_ids) -> dict:
     sums: dict[str, float] = {}
     for i, batch in enumerate(batches):
         b, t = batch["inputs"].shape
-        anchors = jnp.asarray(_anchors_at(10**6, i, b, t, cfg.train.anchors_per_seq))
+        anchors = jnp.asarray(anchors_at(10**6, i, b, t, cfg.train.anchors_per_seq))
         m = eval_metrics(
             params,
             target.params,
@@ -211,7 +211,7 @@ def evaluate_drafter(cfg, target, frozen, params, batches, layer_ids) -> dict:
             train=cfg.train,
             layer_ids=layer_ids,
         )
-        for name, v in _flat(m).items():
+        for name, v in flat_metrics(m).items():
             sums[name] = sums.get(name, 0.0) + v / len(batches)
     return {f"val_{k}": v for k, v in sums.items()}
 

@@ -82,18 +82,18 @@ def _check_shared(cfgs: dict[str, DrafterRunConfig], target_layers: int) -> tupl
 def _record(cfg, workdir, target, target_workdir, init_from) -> dict:
     return {
         "config": config_lib.to_dict(cfg),
-        "target_workdir": T._relative(target_workdir, workdir),
+        "target_workdir": T.relative_to_workdir(target_workdir, workdir),
         "target_step": int(target.step),
         "target_identity": run_identity(target.cfg),
-        "init_from": T._relative(init_from, workdir) if init_from else None,
+        "init_from": T.relative_to_workdir(init_from, workdir) if init_from else None,
     }
 
 
 def _open_run(cfg, workdir, target, record, resuming, init_from, frozen) -> _Run | None:
     """Open (or resume) one drafter's run, its record checked; None when it has finished."""
     tcfg = target.cfg
-    if not resuming or record["target_workdir"] != T._load_record(workdir)["target_workdir"]:
-        T._write_record(workdir, record)  # a new run, or its target moved (identity checked)
+    if not resuming or record["target_workdir"] != T.load_record(workdir)["target_workdir"]:
+        T.write_record(workdir, record)  # a new run, or its target moved (identity checked)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
     start = ckpt.latest_step() or 0
     if start >= cfg.train.steps and os.path.exists(os.path.join(workdir, "eval.json")):
@@ -157,7 +157,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
     shared, layers = _check_shared(cfgs, tcfg.model.num_layers)
     frozen = frozen_target(target.params, tcfg.model)
     records = {w: _record(c, w, target, target_workdir, init_from.get(w)) for w, c in cfgs.items()}
-    resuming = {w: T._check_record(w, r) for w, r in records.items()}  # all before any write
+    resuming = {w: T.check_record(w, r) for w, r in records.items()}  # all before any write
     results, runs = {}, []
     for workdir, cfg in cfgs.items():
         run = _open_run(cfg, workdir, target, records[workdir], resuming[workdir],
@@ -209,7 +209,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
         if not todo:  # every run is further along (resumed at different steps)
             return
         # the anchors of this process's rows, sharded like the batch
-        anchors = T._anchors_at(shared.seed, done - 1, shared.batch_size, seq_len, n)[rows]
+        anchors = T.anchors_at(shared.seed, done - 1, shared.batch_size, seq_len, n)[rows]
         batch = prepare({**it.batch_at(done - 1), "anchors": anchors.astype(np.int32)})
         anchors = batch.pop("anchors")
         feats, logits = features(target_params, batch=batch)
@@ -218,7 +218,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
             mine = _select(feats, layers, r.cfg.drafter.layer_ids_for(tcfg.model.num_layers))
             r.state, metrics = r.update(r.state, frozen, mine, logits, batch, anchors)
             if r.cadence.logs(done):
-                rec = {"step": done, **T._flat(metrics), "wall_s": time.perf_counter() - t0}
+                rec = {"step": done, **T.flat_metrics(metrics), "wall_s": time.perf_counter() - t0}
                 r.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
             if r.cadence.evaluates(done):

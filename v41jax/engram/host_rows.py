@@ -152,7 +152,3 @@ def _all_written(bitmap: np.ndarray, num_rows: int) -> bool:
     return bool(np.all(bitmap[:full] == 0xFF)) and (
         tail == 0 or (int(bitmap[full]) & ((1 << tail) - 1)) == (1 << tail) - 1
     )
-
-
-def is_host_rows(x) -> bool:
-    return isinstance(x, HostRows)

@@ -72,7 +72,7 @@ def pad_table(table: jax.Array, num_shards: int) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class RowShardPlan:
     """Static description of one sharded lookup (hashable: a custom_vjp nondiff arg)."""
 
     mesh: Mesh
@@ -105,7 +105,7 @@ def _axis_index(axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.axis_index(axes) if axes else jnp.int32(0)
 
 
-def _my_share(plan: _Plan, flat: jax.Array, fill) -> jax.Array:
+def my_share(plan: RowShardPlan, flat: jax.Array, fill) -> jax.Array:
     """This device's 1/t slice of `flat [n, ...]` over the replica axes (padded with fill)."""
     t = axis_size(plan.mesh, plan.replica_axes)
     m = -(-flat.shape[0] // t)
@@ -114,7 +114,7 @@ def _my_share(plan: _Plan, flat: jax.Array, fill) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(flat, _axis_index(plan.replica_axes) * m, m)
 
 
-def _route(plan: _Plan, ids_m: jax.Array):
+def route_ids(plan: RowShardPlan, ids_m: jax.Array):
     """Slot of every id in the [S, C] exchange buffer; duplicates share one slot.
 
     Returns perm (sort order), owner, pos (slot index within the owner's bucket, may exceed
@@ -135,7 +135,7 @@ def _route(plan: _Plan, ids_m: jax.Array):
     return perm, owner, pos, srt - owner * rl, rounds, cap
 
 
-def _slots(owner, pos, k, cap, s_shards):
+def round_slots(owner, pos, k, cap, s_shards):
     """Buffer coordinates of the entries served in round k; others point out of bounds."""
     live = (owner < s_shards) & (pos // cap == k)
     return live, jnp.where(live, owner, s_shards), jnp.where(live, pos - k * cap, 0)
@@ -153,12 +153,12 @@ def _narrow_safe(collective, x: jax.Array) -> jax.Array:
     return collective(x)
 
 
-def _exchange(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+def exchange(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """Block j of x [S, ...] goes to row shard j; block j of the result came from shard j."""
     return _narrow_safe(lambda y: jax.lax.all_to_all(y, axes, 0, 0, tiled=True), x)
 
 
-def _a2a_forward_local(plan: _Plan, table_l, ids_l, scale_l):
+def _a2a_forward_local(plan: RowShardPlan, table_l, ids_l, scale_l):
     """Per-device forward of the all-to-all lookup: ids_l [b, T, H] -> [b, T, H*E] f32.
 
     Rows stay in the table's dtype (plus an f32 scale for FP8) until after the last
@@ -166,17 +166,17 @@ def _a2a_forward_local(plan: _Plan, table_l, ids_l, scale_l):
     """
     b, t, h = ids_l.shape
     rows_pad, e = plan.num_row_shards * plan.rows_per_shard, table_l.shape[1]
-    ids_m = _my_share(plan, ids_l.reshape(-1), rows_pad)
-    perm, owner, pos, lrow, rounds, cap = _route(plan, ids_m)
+    ids_m = my_share(plan, ids_l.reshape(-1), rows_pad)
+    perm, owner, pos, lrow, rounds, cap = route_ids(plan, ids_m)
     s_shards, rl, m = plan.num_row_shards, plan.rows_per_shard, ids_m.shape[0]
 
     def one_round(k, carry):
-        live, so, sp = _slots(owner, pos, k, cap, s_shards)
+        live, so, sp = round_slots(owner, pos, k, cap, s_shards)
         req = jnp.full((s_shards, cap), rl, jnp.int32).at[so, sp].set(lrow, mode="drop")
-        req = _exchange(req, plan.row_axes)  # [S, C] local rows asked of me, rl = empty
+        req = exchange(req, plan.row_axes)  # [S, C] local rows asked of me, rl = empty
         so, new = jnp.minimum(so, s_shards - 1), []
         for src, old in zip(sources, carry, strict=True):
-            got = _exchange(jnp.take(src, req, axis=0, mode="fill", fill_value=0), plan.row_axes)
+            got = exchange(jnp.take(src, req, axis=0, mode="fill", fill_value=0), plan.row_axes)
             new.append(jnp.where(live.reshape(-1, *[1] * (old.ndim - 1)), got[so, sp], old))
         return tuple(new)
 
@@ -194,21 +194,21 @@ def _a2a_forward_local(plan: _Plan, table_l, ids_l, scale_l):
     return out[: b * t * h].reshape(b, t, h * e)
 
 
-def _a2a_backward_local(plan: _Plan, ids_l, g_l):
+def _a2a_backward_local(plan: RowShardPlan, ids_l, g_l):
     """Per-device backward: scatter-add the cotangent rows into the owning shard [Rp/S, E]."""
     h = ids_l.shape[-1]
     rows_pad, e = plan.num_row_shards * plan.rows_per_shard, g_l.shape[-1] // h
-    ids_m = _my_share(plan, ids_l.reshape(-1), rows_pad)
-    g_m = _my_share(plan, g_l.reshape(-1, e).astype(jnp.float32), 0)
-    perm, owner, pos, lrow, rounds, cap = _route(plan, ids_m)
+    ids_m = my_share(plan, ids_l.reshape(-1), rows_pad)
+    g_m = my_share(plan, g_l.reshape(-1, e).astype(jnp.float32), 0)
+    perm, owner, pos, lrow, rounds, cap = route_ids(plan, ids_m)
     g_srt, s_shards, rl = g_m[perm], plan.num_row_shards, plan.rows_per_shard
 
     def one_round(k, grad):
-        live, so, sp = _slots(owner, pos, k, cap, s_shards)
+        live, so, sp = round_slots(owner, pos, k, cap, s_shards)
         req = jnp.full((s_shards, cap), rl, jnp.int32).at[so, sp].set(lrow, mode="drop")
         # duplicates of one id share a slot: their cotangents add up before they travel
         cot = jnp.zeros((s_shards, cap, e), jnp.float32).at[so, sp].add(g_srt, mode="drop")
-        req, cot = _exchange(req, plan.row_axes), _exchange(cot, plan.row_axes)
+        req, cot = exchange(req, plan.row_axes), exchange(cot, plan.row_axes)
         return grad.at[req.reshape(-1)].add(cot.reshape(-1, e), mode="drop")
 
     grad = jax.lax.fori_loop(0, rounds, one_round, jnp.zeros((rl, e), jnp.float32))
@@ -218,7 +218,7 @@ def _a2a_backward_local(plan: _Plan, ids_l, g_l):
     return grad.astype(plan.table_dtype)
 
 
-def _a2a_forward(plan: _Plan, table, ids, scale):
+def a2a_forward(plan: RowShardPlan, table, ids, scale):
     fn = functools.partial(_a2a_forward_local, plan)
     scale_spec = None if scale is None else PartitionSpec(plan.row_axes)
     in_specs = (plan.row_spec, plan.batch_spec, scale_spec)
@@ -231,15 +231,15 @@ def _a2a_forward(plan: _Plan, table, ids, scale):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _a2a_lookup(plan: _Plan, table, ids):
-    return _a2a_forward(plan, table, ids, None)
+def _a2a_lookup(plan: RowShardPlan, table, ids):
+    return a2a_forward(plan, table, ids, None)
 
 
-def _a2a_lookup_fwd(plan: _Plan, table, ids):
-    return _a2a_forward(plan, table, ids, None), ids
+def _a2a_lookup_fwd(plan: RowShardPlan, table, ids):
+    return a2a_forward(plan, table, ids, None), ids
 
 
-def _a2a_lookup_bwd(plan: _Plan, ids, g):
+def _a2a_lookup_bwd(plan: RowShardPlan, ids, g):
     fn = functools.partial(_a2a_backward_local, plan)
     in_specs = (plan.batch_spec, plan.batch_spec)
     smap = jax.shard_map(
@@ -251,7 +251,7 @@ def _a2a_lookup_bwd(plan: _Plan, ids, g):
 _a2a_lookup.defvjp(_a2a_lookup_fwd, _a2a_lookup_bwd)
 
 
-def _psum_lookup(plan: _Plan, table, ids, scale):
+def _psum_lookup(plan: RowShardPlan, table, ids, scale):
     """Masked local gather + reduce-scatter; differentiated by JAX autodiff (check_vma on)."""
     gather_axes = tuple(a for a in plan.batch_axes if a in plan.row_axes)
     sum_axes = tuple(a for a in plan.row_axes if a not in plan.batch_axes)
@@ -342,7 +342,7 @@ def sharded_lookup(
     _check_inputs(table, ids, mesh, row_axes, batch_axes, method, row_scale)
     rows_per_shard = table.shape[0] // axis_size(mesh, row_axes)
     cf, dtype = float(capacity_factor), str(table.dtype)
-    plan = _Plan(mesh, row_axes, batch_axes, rows_per_shard, cf, dtype)
+    plan = RowShardPlan(mesh, row_axes, batch_axes, rows_per_shard, cf, dtype)
     if method == "auto":
         sizes = (ids.shape[-1], table.shape[1], table.dtype.itemsize)
         method = choose_method(mesh, row_axes, batch_axes, *sizes)
@@ -351,7 +351,7 @@ def sharded_lookup(
     if row_scale is not None:
         table, row_scale = jax.lax.stop_gradient(table), jax.lax.stop_gradient(row_scale)
         if method == "all_to_all":
-            return _a2a_forward(plan, table, ids, row_scale)
+            return a2a_forward(plan, table, ids, row_scale)
     if method == "psum":
         return _psum_lookup(plan, table, ids, row_scale)
     return _a2a_lookup(plan, table, ids)

@@ -39,13 +39,13 @@ from jax.sharding import PartitionSpec
 
 from v41jax.engram import table_optim
 from v41jax.engram.sharded import (
-    _a2a_forward,
-    _exchange,
-    _my_share,
-    _Plan,
-    _route,
-    _slots,
+    RowShardPlan,
+    a2a_forward,
     axis_size,
+    exchange,
+    my_share,
+    round_slots,
+    route_ids,
 )
 from v41jax.engram.sharded_cost import DEFAULT_CAPACITY_FACTOR
 
@@ -57,7 +57,7 @@ def row_shard_plan(
     row_axes: tuple[str, ...],
     batch_axes: tuple[str, ...],
     capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
-) -> _Plan | None:
+) -> RowShardPlan | None:
     """The exchange plan for a [Rp, C] table on `mesh`, or None where this path does not
     apply: fewer than 2 row shards, rows not a multiple of the shards, a batch the batch
     axes do not divide, or a table replicated over some mesh axis (its replicas would each
@@ -70,10 +70,10 @@ def row_shard_plan(
     if any(a not in row_axes and mesh.shape[a] > 1 for a in mesh.axis_names):
         return None
     rows_per_shard, cf = table_shape[0] // shards, float(capacity_factor)
-    return _Plan(mesh, row_axes, batch_axes, rows_per_shard, cf, "float32")
+    return RowShardPlan(mesh, row_axes, batch_axes, rows_per_shard, cf, "float32")
 
 
-def _check(plan: _Plan, ids, name: str, other=None) -> None:
+def _check(plan: RowShardPlan, ids, name: str, other=None) -> None:
     if ids.ndim != 3 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name}: ids must be int [B, T, H]; got {ids.dtype} {ids.shape}")
     if other is not None and (other.ndim != 3 or other.shape[:2] != ids.shape[:2]
@@ -81,32 +81,32 @@ def _check(plan: _Plan, ids, name: str, other=None) -> None:
         raise ValueError(f"{name}: rows {other.shape} must be [B, T, H*C] for ids {ids.shape}")
 
 
-def sharded_rows(plan: _Plan, table_RpxC: jax.Array, ids_BxTxH: jax.Array) -> jax.Array:
+def sharded_rows(plan: RowShardPlan, table_RpxC: jax.Array, ids_BxTxH: jax.Array) -> jax.Array:
     """`concat_h T[ids[b, t, h]]` -> [B, T, H*C] float32, split like the batch (forward of
     the all-to-all lookup, `v41jax.engram.sharded`); ids must lie in [0, Rp)."""
     _check(plan, ids_BxTxH, "sharded_rows")
-    return _a2a_forward(plan, table_RpxC, ids_BxTxH.astype(jnp.int32), None)
+    return a2a_forward(plan, table_RpxC, ids_BxTxH.astype(jnp.int32), None)
 
 
-def _owner_gradients_local(plan: _Plan, ids_l, g_l):
+def _owner_gradients_local(plan: RowShardPlan, ids_l, g_l):
     """Per device: ids_l [b, T, H], g_l [b, T, H*C] -> (rows [K], grads [K, C]) of its shard."""
     h = ids_l.shape[-1]
     e = g_l.shape[-1] // h
     s_shards, rl = plan.num_row_shards, plan.rows_per_shard
-    ids_m = _my_share(plan, ids_l.reshape(-1), s_shards * rl)
-    g_m = _my_share(plan, g_l.reshape(-1, e).astype(jnp.float32), 0)
-    perm, owner, pos, lrow, rounds, cap = _route(plan, ids_m)
+    ids_m = my_share(plan, ids_l.reshape(-1), s_shards * rl)
+    g_m = my_share(plan, g_l.reshape(-1, e).astype(jnp.float32), 0)
+    perm, owner, pos, lrow, rounds, cap = route_ids(plan, ids_m)
     # a source sends at most m = ids_m.size distinct ids to one owner: ceil(m / C_x) rounds
     max_rounds = math.ceil(ids_m.shape[0] / cap)
     g_srt, width = g_m[perm], s_shards * cap
 
     def one_round(k, bufs):
         rows_buf, grad_buf = bufs
-        live, so, sp = _slots(owner, pos, k, cap, s_shards)
+        live, so, sp = round_slots(owner, pos, k, cap, s_shards)
         req = jnp.full((s_shards, cap), rl, jnp.int32).at[so, sp].set(lrow, mode="drop")
         # duplicates of one id share a slot: their cotangents add up before they travel
         cot = jnp.zeros((s_shards, cap, e), jnp.float32).at[so, sp].add(g_srt, mode="drop")
-        req, cot = _exchange(req, plan.row_axes), _exchange(cot, plan.row_axes)
+        req, cot = exchange(req, plan.row_axes), exchange(cot, plan.row_axes)
         rows_buf = jax.lax.dynamic_update_slice(rows_buf, req.reshape(1, width), (k, 0))
         grad_buf = jax.lax.dynamic_update_slice(grad_buf, cot.reshape(1, width, e), (k, 0, 0))
         return rows_buf, grad_buf
@@ -135,7 +135,7 @@ def _owner_gradients_local(plan: _Plan, ids_l, g_l):
     )
 
 
-def owner_gradients(plan: _Plan, ids_BxTxH: jax.Array, g_BxTxE: jax.Array):
+def owner_gradients(plan: RowShardPlan, ids_BxTxH: jax.Array, g_BxTxE: jax.Array):
     """(rows [S K], grads [S K, C]) split over the row axes: block s holds shard s's
     distinct local rows read by the batch (padded with Rp/S) and each one's summed
     cotangent (module doc). ids in [0, Rp); g_BxTxE = d loss / d `sharded_rows(...)`."""
@@ -152,7 +152,7 @@ def owner_gradients(plan: _Plan, ids_BxTxH: jax.Array, g_BxTxE: jax.Array):
 
 
 def sharded_sparse_update(
-    plan: _Plan,
+    plan: RowShardPlan,
     kind: str,
     table_RpxC: jax.Array,
     state: dict,

@@ -115,7 +115,7 @@ class BlockInputs(NamedTuple):
     extras: Mapping[str, jax.Array] = {}
 
 
-def _dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
+def layer_dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
     return jnp.dtype(cfg.compute_dtype), jnp.dtype(cfg.param_dtype)
 
 
@@ -126,7 +126,7 @@ def _out_init_std(cfg: ModelConfig) -> float:
 
 
 def _dense_ffn(cfg: ModelConfig) -> nn.Module:
-    dtype, param_dtype = _dtypes(cfg)
+    dtype, param_dtype = layer_dtypes(cfg)
     return SwiGLU(
         d_ff=cfg.d_ff,
         init_std=cfg.init_std,
@@ -137,7 +137,7 @@ def _dense_ffn(cfg: ModelConfig) -> nn.Module:
 
 
 def _moe_ffn(cfg: ModelConfig) -> nn.Module:
-    dtype, param_dtype = _dtypes(cfg)
+    dtype, param_dtype = layer_dtypes(cfg)
     width, out_std = expert_width(cfg), _out_init_std(cfg)
     return MoE(cfg.moe, width, cfg.init_std, out_std, dtype, param_dtype, return_stats=True)
 
@@ -168,7 +168,7 @@ class Block(nn.Module):
 
     def setup(self):
         c = self.cfg
-        dtype, param_dtype = _dtypes(c)
+        dtype, param_dtype = layer_dtypes(c)
         # single_pass: the pre-norms are folded into the mHC pass; only their scales remain
         norm = (
             functools.partial(NormScale, c.d_model, param_dtype)

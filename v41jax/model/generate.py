@@ -45,7 +45,7 @@ def _engram_extras_full(cfg: ModelConfig, compressed_BxT: jax.Array) -> dict[str
     }
 
 
-def _window_ending_at(cfg: ModelConfig, compressed_BxP: jax.Array, last_B: jax.Array):
+def window_ending_at(cfg: ModelConfig, compressed_BxP: jax.Array, last_B: jax.Array):
     """[B, N] compressed ids at positions last-N+1 .. last (pad_id where < 0)."""
     n = cfg.engram.max_ngram_size
     pos_BxN = last_B[:, None] - (n - 1) + jnp.arange(n, dtype=jnp.int32)
@@ -53,7 +53,7 @@ def _window_ending_at(cfg: ModelConfig, compressed_BxP: jax.Array, last_B: jax.A
     return jnp.where(pos_BxN >= 0, got_BxN, cfg.engram.pad_id).astype(jnp.int32)
 
 
-def _check_compression(cfg: ModelConfig, compression: jax.Array | None) -> None:
+def check_compression(cfg: ModelConfig, compression: jax.Array | None) -> None:
     if cfg.engram.enabled and compression is None:
         raise ValueError(
             "this model has Engram layers: pass `compression`, the tokenizer's compression "
@@ -89,14 +89,14 @@ def prefill(
     Requires P <= cfg.max_seq_len and 1 <= lengths[b] <= P (checked by `generate`).
     compression: int32 [V] original -> compressed ids, required when the model has Engram.
     """
-    _check_compression(cfg, compression)
+    check_compression(cfg, compression)
     b = tokens_BxP.shape[0]
     last_B = jnp.asarray(lengths_B, jnp.int32) - 1
     extras, window = {}, None
     if cfg.engram.enabled:
         compressed_BxP = jnp.asarray(compression)[tokens_BxP]
         extras = _engram_extras_full(cfg, compressed_BxP)
-        window = _window_ending_at(cfg, compressed_BxP, last_B)
+        window = window_ending_at(cfg, compressed_BxP, last_B)
     out = Transformer(cfg).apply(
         {"params": params},
         tokens_BxP,
@@ -123,7 +123,7 @@ def decode_step(
     Engram, the token's hash ids come from the rolled window of the last max_ngram_size
     compressed tokens: O(1) per token, equal to hashing the whole sequence again.
     """
-    _check_compression(cfg, compression)
+    check_compression(cfg, compression)
     positions_B = jnp.asarray(positions_B, jnp.int32)
     extras, window = {}, state.engram_window
     if cfg.engram.enabled:
@@ -193,7 +193,7 @@ def generate(
     """
     _check_generate_args(cfg, tuple(prompt_tokens_BxP.shape), prompt_lengths_B, max_new_tokens)
     check_sampling_args(temperature, top_k, top_p, min_p)
-    _check_compression(cfg, compression)
+    check_compression(cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
     rng = jax.random.key(0) if rng is None else rng

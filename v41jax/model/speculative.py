@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41jax.config import ModelConfig
-from v41jax.model.generate import _check_compression
+from v41jax.model.generate import check_compression
 from v41jax.model.generate import prefill as model_prefill
 from v41jax.model.sampling import Scalar, sample_probs, sampling_knobs
 from v41jax.model.speculative_engine import (
@@ -146,8 +146,8 @@ def speculative_generate(
         num_draft,
     )
     knobs = sampling_knobs(temperature, top_k, top_p, min_p)
-    _check_compression(target_cfg, compression)
-    _check_compression(draft_cfg, compression)
+    check_compression(target_cfg, compression)
+    check_compression(draft_cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
     lengths = jnp.asarray(prompt_lengths_B, jnp.int32)

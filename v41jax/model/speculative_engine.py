@@ -38,7 +38,7 @@ import numpy as np
 
 from v41jax.config import ModelConfig
 from v41jax.engram import ngram_hash_ids_step
-from v41jax.model.generate import _window_ending_at, init_cache
+from v41jax.model.generate import init_cache, window_ending_at
 from v41jax.model.sampling import knob_probs, sample_probs
 from v41jax.model.transformer import Transformer, engram_ids_key
 from v41jax.speculative import speculative_sample
@@ -148,7 +148,7 @@ def _engram_extras_at(cfg: ModelConfig, compressed_BxS, start_B, t: int) -> dict
     """Hash ids of the t tokens at positions start .. start+t-1, from the history."""
     if not cfg.engram.enabled:
         return {}
-    windows = [_window_ending_at(cfg, compressed_BxS, start_B + i) for i in range(t)]
+    windows = [window_ending_at(cfg, compressed_BxS, start_B + i) for i in range(t)]
     return {
         engram_ids_key(layer): jnp.stack(
             [ngram_hash_ids_step(w, layer, cfg.engram) for w in windows], axis=1

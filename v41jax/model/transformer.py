@@ -55,12 +55,12 @@ from v41jax.model.block import (  # noqa: F401 (re-exported: the model's public 
     Block,
     BlockInputs,
     ScanBlock,
-    _dtypes,
     block_readout,
     engram_ids_key,
     engram_rows_key,
     feature_outputs,
     ffn_kind_for_layer,
+    layer_dtypes,
     make_ffn,
 )
 from v41jax.model.layers import Embed, RMSNorm, normal_init
@@ -165,7 +165,7 @@ class Transformer(nn.Module):
             positions and returns only `lse` and `target_logit` (`chunked_head_stats`).
         """
         c = self.cfg
-        dtype, param_dtype = _dtypes(c)
+        dtype, param_dtype = layer_dtypes(c)
         b, t = tokens_BxT.shape
         bad = [i for i in hidden_layers if not -1 <= i < c.num_layers]
         if bad:

@@ -207,7 +207,7 @@ def _chi2_log10_sf(g: float, dof: int) -> float:
     return ((a - 1) * math.log(x) - x + math.log(series) - math.lgamma(a)) / math.log(10)
 
 
-def _check(name, case, obs, exp, labels=(), note="", bad=None) -> dict:
+def audit_check(name, case, obs, exp, labels=(), note="", bad=None) -> dict:
     """A G-test's fields for AuditCheck; `bad` (validity) replaces the test: p = 0 iff bad."""
     if bad is None:
         g, dof, p, impossible = _g_test(obs, exp)
@@ -224,7 +224,7 @@ def _check(name, case, obs, exp, labels=(), note="", bad=None) -> dict:
     )  # fmt: skip
 
 
-def _validity(case: _Case, d, ell, out, acc) -> dict:
+def validity_check(case: _Case, d, ell, out, acc) -> dict:
     """Row counts of each kind of malformed output (see the module docstring)."""
     (n, k1), v = out.shape, case.p.shape[1]
     pos = np.arange(k1)[None, :]
@@ -238,10 +238,10 @@ def _validity(case: _Case, d, ell, out, acc) -> dict:
     counts = np.array([bad_a.sum(), prefix.sum(), rng_bad.sum(), tail.sum()], np.float64)
     bad = int((bad_a | prefix | rng_bad | tail).sum())
     note = f"{bad} malformed rows" if bad else ""
-    return _check("validity", case.name, counts, np.zeros(4), note=note, bad=bad)
+    return audit_check("validity", case.name, counts, np.zeros(4), note=note, bad=bad)
 
 
-def _position_laws(case: _Case, ell, out, acc) -> list[dict]:
+def position_law_checks(case: _Case, ell, out, acc) -> list[dict]:
     """Equation (1) at each position j: pooled, then stratified by (L, previous token)."""
     (k1, v), checks = case.p.shape, []
     a = np.clip(acc, 0, k1 - 1)  # an invalid A fails validity; clipped, the laws stay defined
@@ -251,7 +251,9 @@ def _position_laws(case: _Case, ell, out, acc) -> list[dict]:
         cell = np.where((tok >= 0) & (tok < v), tok, v)  # v = the out-of-range cell
         law = np.append(case.p[j].astype(np.float64), 0.0)
         obs = np.bincount(cell, minlength=v + 1).astype(np.float64)
-        checks.append(_check(f"law {j}", case.name, obs, obs.sum() * law, note=f"n={rows.sum()}"))
+        checks.append(
+            audit_check(f"law {j}", case.name, obs, obs.sum() * law, note=f"n={rows.sum()}")
+        )
         prev = out[rows, j - 1] if j > 0 else np.full(rows.sum(), -1)
         prev = np.where((prev >= -1) & (prev < v), prev, v) + 1  # -1 (no previous) .. v
         stratum = ell[rows] * (v + 2) + prev
@@ -264,7 +266,7 @@ def _position_laws(case: _Case, ell, out, acc) -> list[dict]:
         table = table[keep]
         table, labels, note = merge_small_strata(table, labels, law)
         exp = table.sum(1, keepdims=True) * law
-        checks.append(_check(f"law {j}|L,h", case.name, table, exp, labels, note))
+        checks.append(audit_check(f"law {j}|L,h", case.name, table, exp, labels, note))
     return checks
 
 
@@ -278,7 +280,7 @@ def _acceptance_laws(case: _Case, ell, acc) -> list[dict]:
         cell = np.where((a >= 0) & (a <= length), a, length + 1)
         obs = np.bincount(cell, minlength=length + 2).astype(np.float64)
         exp = obs.sum() * np.append(law, 0.0)
-        checks.append(_check(f"A|L={length}", case.name, obs, exp, note=f"n={a.size}"))
+        checks.append(audit_check(f"A|L={length}", case.name, obs, exp, note=f"n={a.size}"))
     return checks
 
 
@@ -309,8 +311,8 @@ def audit_verifier(
     for i, case in enumerate(make_cases(vocab_size, k, seed)):
         rng = np.random.default_rng([seed, i])
         d, ell, out, acc = _run_case(fn, case, num_samples, jax.random.fold_in(key, i), rng, chunk)
-        raw.append(_validity(case, d, ell, out, acc))
-        raw += _position_laws(case, ell, out, acc)
+        raw.append(validity_check(case, d, ell, out, acc))
+        raw += position_law_checks(case, ell, out, acc)
         raw += _acceptance_laws(case, ell, acc)
     meta = dict(vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed)
     return make_report(raw, alpha, verifier, name, start, **meta)

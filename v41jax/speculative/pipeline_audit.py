@@ -67,11 +67,11 @@ import numpy as np
 
 from v41jax.speculative.audit import (
     AuditReport,
-    _check,
-    _position_laws,
-    _validity,
+    audit_check,
     make_report,
     merge_small_strata,
+    position_law_checks,
+    validity_check,
 )
 
 Pipeline = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array, jax.Array]]
@@ -129,16 +129,16 @@ def _length_range(case: PipelineCase, k: int, ell) -> dict:
     counts = np.array([(ell < 0).sum(), (ell > k).sum()], np.float64)
     bad = int(counts.sum())
     note = f"{bad} rows with L outside [0, {k}]" if bad else ""
-    return _check("verify_len", case.name, counts, np.zeros(2), note=note, bad=bad)
+    return audit_check("verify_len", case.name, counts, np.zeros(2), note=note, bad=bad)
 
 
 def _stopping_laws(case: PipelineCase, ell, out, acc) -> list[dict]:
     """(1') at each position j: stratified by (S_j = [L > j], previous emitted token). The
-    pooled law j is `_position_laws`'s (the same test); strata too small for the G-test
+    pooled law j is `position_law_checks`'s (the same test); strata too small for the G-test
     approximation are merged (valid: (1') holds in each stratum, hence in their union)."""
     (k1, v), checks = case.p.shape, []
     a = np.clip(acc, 0, k1 - 1)
-    pooled = [c for c in _position_laws(case, ell, out, acc) if "|" not in c["name"]]
+    pooled = [c for c in position_law_checks(case, ell, out, acc) if "|" not in c["name"]]
     for j in range(k1):
         checks.append(pooled[j])
         rows = a >= j
@@ -158,7 +158,7 @@ def _stopping_laws(case: PipelineCase, ell, out, acc) -> list[dict]:
         table, labels, note = merge_small_strata(table, labels, law)
         if len(table):  # every stratum small and skipped: nothing left to test
             exp = table.sum(1, keepdims=True) * law
-            checks.append(_check(f"law {j}|S,h", case.name, table, exp, labels, note))
+            checks.append(audit_check(f"law {j}|S,h", case.name, table, exp, labels, note))
     return checks
 
 
@@ -196,10 +196,10 @@ def audit_pipeline(
         d, ell, out, acc = _run_pipeline(
             fn, case, k, num_samples, jax.random.fold_in(key, i), chunk
         )
-        raw.append(_validity(case, d, ell, out, acc))
+        raw.append(validity_check(case, d, ell, out, acc))
         raw.append(_length_range(case, k, ell))
         # an L outside [0, K] already fails; clipped, the strata of (1) stay well defined
-        laws = _position_laws if strata == "length" else _stopping_laws
+        laws = position_law_checks if strata == "length" else _stopping_laws
         raw += laws(case, np.clip(ell, 0, k), out, acc)
     meta = dict(vocab_size=vocab_size, k=k, num_samples=num_samples, seed=seed)
     return make_report(raw, alpha, pipeline, name, start, **meta)

@@ -36,10 +36,10 @@ from v41jax.sweep.driver import RESULT_FILE
 from v41jax.sweep.tables import (  # noqa: F401  (ACCOUNTING_KEYS, render_*: re-exported)
     ACCOUNTING_KEYS,
     KIND_STYLE,
-    _layout,
     group_arms,
     render_from_results,
     render_tables,
+    table_layout,
 )
 from v41jax.train.workdir_kind import require_kind
 
@@ -218,7 +218,7 @@ def write_report(
     plots = []
     for study in sorted({g["study"] for g in groups}):
         gs = [g for g in groups if g["study"] == study]
-        layout = _layout(gs)
+        layout = table_layout(gs)
         if layout == "quality":
             plots += plot_quality(gs, out_dir, study, dpi)
         elif layout == "allocation":

@@ -63,7 +63,7 @@ def _loss_cells(g: dict) -> list[str]:
     return [f"{g['loss']:.4f}", f"[{g['loss_min']:.4f}, {g['loss_max']:.4f}]", len(g["seeds"])]
 
 
-def _layout(groups: list[dict]) -> str:
+def table_layout(groups: list[dict]) -> str:
     metas = [g["meta"] for g in groups]
     if all(m.get("kind") in KIND_STYLE for m in metas):
         return "quality"
@@ -73,7 +73,7 @@ def _layout(groups: list[dict]) -> str:
 
 
 def study_table(groups: list[dict]) -> str:
-    layout = _layout(groups)
+    layout = table_layout(groups)
     common = ["total params", "active params", "FLOPs/token", "val loss", "[min, max]", "seeds"]
 
     def cells(g: dict) -> list:
@@ -230,7 +230,7 @@ def render_tables(summary: list[dict], study3: dict | None = None, source: str =
     sections.append(f"## seconds per step by run\n\n{runs_table(summary)}")
     for study in sorted({g["study"] for g in groups}):
         gs = [g for g in groups if g["study"] == study]
-        diff = quality_differences_table(gs) if _layout(gs) == "quality" else None
+        diff = quality_differences_table(gs) if table_layout(gs) == "quality" else None
         if diff:
             sections.append(f"## {study}: differences of the means\n\n{diff}")
     settings = sorted({r["setting"] for r in summary if r.get("setting", "full") != "full"})
