@@ -3,6 +3,8 @@
 #   bash scripts/test.sh            fast suite, then the compile-for-the-chip tier (tests/aot
 #                                   in .venv-aot: scripts/test_aot.sh; V41JAX_TEST_AOT=0 skips it)
 #   bash scripts/test.sh --slow     only the slow-marked tests
+#   bash scripts/test.sh --smoke    the smoke tier: the files in tests/smoke_files.txt, a few
+#                                   minutes; run it before every commit (CI runs the whole suite)
 #   bash scripts/test.sh -k resume  extra arguments go to pytest (the fast suite only)
 # Tests run in one worker process per core (pytest-xdist; whole files per worker, so a file's
 # cached models compile once): test time is mostly single-threaded XLA compilation.
@@ -17,16 +19,21 @@
 # pytest exits 5 when no test ran; that (like any failure) fails this script and CI.
 source "$(dirname "${BASH_SOURCE[0]}")/_setup.sh"
 marker="not slow"
+selection=()
 if [ "${1:-}" = "--slow" ]; then
   marker="slow"
   shift
+elif [ "${1:-}" = "--smoke" ]; then
+  mapfile -t selection < <(grep -v '^#' tests/smoke_files.txt | grep .)
+  shift
 fi
 run_aot=0
-if [ $# -eq 0 ] && [ "$marker" = "not slow" ] && [ "${V41JAX_TEST_AOT:-1}" != "0" ]; then
+if [ $# -eq 0 ] && [ "$marker" = "not slow" ] && [ ${#selection[@]} -eq 0 ] \
+  && [ "${V41JAX_TEST_AOT:-1}" != "0" ]; then
   run_aot=1
 fi
 python -m pytest -m "$marker" -n "${V41JAX_TEST_WORKERS:-auto}" --dist loadfile \
-  --max-worker-restart=0 --durations=10 "$@" || exit $?
+  --max-worker-restart=0 --durations=10 "${selection[@]}" "$@" || exit $?
 if [ "$run_aot" = 1 ]; then
   # its own venv and environment (libtpu, the CUDA plugin); 43 compiles, minutes on 2 cores
   exec bash "$(dirname "${BASH_SOURCE[0]}")/test_aot.sh"
