@@ -103,6 +103,14 @@ def mesh_axes_of(logical_name: str) -> tuple[str, ...]:
 BATCH_MESH_AXES = ("data", "fsdp")
 
 
+def split_axes(mesh, logical: str, *sizes: int) -> tuple[str, ...]:
+    """The mesh axes (> 1 device) the rules give `logical`, if they divide every size; else
+    () (the arrays are then whole on every device of those axes, never cut short)."""
+    axes = tuple(a for a in mesh_axes_of(logical) if mesh.shape.get(a, 1) > 1)
+    n = math.prod(mesh.shape[a] for a in axes)
+    return axes if all(size % n == 0 for size in sizes) else ()
+
+
 def batch_shards(mesh) -> int:
     """How many ways the batch is split: the product of the mesh's batch axes present."""
     return math.prod(mesh.shape[a] for a in BATCH_MESH_AXES if a in mesh.shape)

@@ -29,7 +29,7 @@ from v41jax import config as config_lib
 from v41jax.kernels import aot
 from v41jax.model import DecodeState, decode_step, init_cache, prefill
 from v41jax.sharding import make_mesh
-from v41jax.train.plan import abstract_batch, planned_config
+from v41jax.train.plan import planned_config
 from v41jax.train.plan_target import TARGET_CHIPS, compile_step_on_devices
 from v41jax.train.state import make_state_fns
 
@@ -73,9 +73,7 @@ def _check(report, chip: str):
 
 
 def test_train_step_compiles_for_a_v5e_slice(tpu_v5e):
-    report = compile_step_on_devices(
-        _cfg(FSDP8), tpu_v5e.devices, abstract_batch, TARGET_CHIPS["v5e"].memory
-    )
+    report = compile_step_on_devices(_cfg(FSDP8), tpu_v5e.devices, TARGET_CHIPS["v5e"].memory)
     _check(report, "v5e")
     kernels = _kernels(report)
     # forward, dq and dkv of splash per attention call; the mHC pass in every layer's mixes
@@ -84,9 +82,7 @@ def test_train_step_compiles_for_a_v5e_slice(tpu_v5e):
 
 
 def test_train_step_compiles_on_one_v5e_chip_with_the_engram_kernel(tpu_v5e):
-    report = compile_step_on_devices(
-        _cfg(ONE), tpu_v5e.devices[:1], abstract_batch, TARGET_CHIPS["v5e"].memory
-    )
+    report = compile_step_on_devices(_cfg(ONE), tpu_v5e.devices[:1], TARGET_CHIPS["v5e"].memory)
     _check(report, "v5e")
     kernels = _kernels(report)
     assert {"attention", "mhc_single_pass", "engram_lookup"} <= set(kernels), kernels
@@ -95,7 +91,7 @@ def test_train_step_compiles_on_one_v5e_chip_with_the_engram_kernel(tpu_v5e):
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
 def test_train_step_compiles_for_eight_gpus(cuda_h100, gpu):
     devices = cuda_h100.devices if gpu == "h100" else aot.cuda_topology(gpu, "1x1x8").devices
-    report = compile_step_on_devices(_cfg(FSDP8), devices, abstract_batch, TARGET_CHIPS[gpu].memory)
+    report = compile_step_on_devices(_cfg(FSDP8), devices, TARGET_CHIPS[gpu].memory)
     assert gpu.upper() in report["device_kind"]
     _check(report, gpu)
     # training batches carry segment ids, which cuDNN cannot say: attention is blockwise XLA

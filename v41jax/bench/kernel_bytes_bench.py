@@ -27,7 +27,7 @@ What it cannot say: how fast (the device check times the kernels on a chip).
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import re
 
 import jax
@@ -125,9 +125,7 @@ def engram_rows(chip) -> list[dict]:
         dtype = DTYPES[name]
         ids = S(ids_shape, jnp.int32)
         args = [S((r, e), dtype), ids, S((r,), jnp.float32) if scaled else None]
-        num = 1
-        for d in ids_shape:
-            num *= d
+        num = math.prod(ids_shape)
         group = rows_per_dma(dtype)
         model = lookup_cost(num, e, dtype, jnp.float32, scaled, group).bytes_accessed
         bound = lookup_cost(num, e, dtype, jnp.float32, scaled, 1).bytes_accessed
@@ -197,5 +195,5 @@ def run(args) -> int:
     )
     payload = {"rows": rows, "machine": machine_info(), "args": vars(args)}
     payload["device_kind"] = topo.devices[0].device_kind
-    write_json(args.json, json.loads(json.dumps(payload)))
+    write_json(args.json, payload)
     return 0

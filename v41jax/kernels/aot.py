@@ -218,6 +218,18 @@ def compiled_memory(compiled) -> dict[str, int]:
     return {f: int(getattr(stats, f)) for f in MEMORY_FIELDS if hasattr(stats, f)}
 
 
+def peak_bytes(memory: dict[str, int]) -> int:
+    """Peak bytes per device of a compiled program from ``compiled_memory``: arguments +
+    outputs - aliased (donated buffers are rewritten in place) + temporaries + code."""
+    return (
+        memory["argument_size_in_bytes"]
+        + memory["output_size_in_bytes"]
+        - memory["alias_size_in_bytes"]
+        + memory["temp_size_in_bytes"]
+        + memory["generated_code_size_in_bytes"]
+    )
+
+
 def compiled_cost(compiled) -> dict[str, float]:
     """``cost_analysis()`` of a compiled program as a dict ({} where the backend has none)."""
     try:

@@ -35,7 +35,6 @@ same lagged equations step by step with ``mhc_coefficients`` computed from X_l d
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -134,10 +133,7 @@ def single_pass_step(
     mesh = jax.sharding.get_abstract_mesh()
     if impl in ("xla", "reference") or mesh.empty or mesh.size == 1:
         return step(*args)
-    axes = tuple(a for a in sharding.BATCH_MESH_AXES if mesh.shape.get(a, 1) > 1)
-    if x_BxTxNxC.shape[0] % math.prod(mesh.shape[a] for a in axes):
-        axes = ()
-    rows = P(axes or None)
+    rows = P(sharding.split_axes(mesh, "batch", x_BxTxNxC.shape[0]) or None)
     smap = jax.shard_map(
         step,
         mesh=mesh,

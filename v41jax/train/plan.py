@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from v41jax import sharding
 from v41jax.config import Config, override
+from v41jax.kernels import aot
 from v41jax.model.accounting import model_flops_per_token, param_accounting
 from v41jax.train.batches import batch_keys
 from v41jax.train.state import make_state_fns
@@ -225,13 +226,7 @@ def plan(
     params_b, opt_b = shard_bytes(state.params), shard_bytes(state.opt_state)
     other_b = shard_bytes((state.step, state.rng))
     batch_b = shard_bytes(batch)
-    peak_b = (
-        mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes
-        + mem.generated_code_size_in_bytes
-    )
+    peak_b = aot.peak_bytes(aot.compiled_memory(compiled))
     budget = device_memory if device_memory is not None else target.memory
     peak = peak_flops or target.peak_flops
     acc = param_accounting(cfg.model, cfg.data.seq_len)

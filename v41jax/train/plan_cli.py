@@ -92,14 +92,13 @@ def run_plan(args) -> int:
         peak_flops = args.peak_flops
     report = plan(cfg, mesh_axes, args.platform, memory, peak_flops, lower_target=not args.no_lower)
     if chip is not None:
-        from v41jax.train.plan import abstract_batch, planned_config
+        from v41jax.train.plan import planned_config
         from v41jax.train.plan_target import compile_on_target
 
         report["device"] = chip.name
         report["target_compile"] = compile_on_target(
             planned_config(cfg, mesh_axes),
             mesh_axes,
-            abstract_batch,
             args.platform,
             topology=args.topology,
             gpu=args.gpu,

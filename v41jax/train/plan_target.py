@@ -29,6 +29,7 @@ import jax
 from v41jax import sharding
 from v41jax.config import Config
 from v41jax.kernels import aot
+from v41jax.train.plan import abstract_batch
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import make_train_step
 
@@ -81,7 +82,7 @@ def target_chip(platform: str, topology: str | None, gpu: str | None) -> tuple[C
     raise ValueError("target_chip: give --topology (TPU) or --gpu (CUDA)")
 
 
-def target_devices(platform: str, topology: str | None, gpu: str | None, n: int):
+def target_devices(topology: str | None, gpu: str | None, n: int):
     """The compile-only devices of the target; their number must be the mesh's `n`."""
     if topology:
         devices = list(aot.tpu_topology(topology).devices)
@@ -98,7 +99,6 @@ def target_devices(platform: str, topology: str | None, gpu: str | None, n: int)
 def compile_on_target(
     cfg: Config,
     mesh_axes: dict[str, int],
-    batch_fn,
     platform: str,
     topology: str | None = None,
     gpu: str | None = None,
@@ -106,14 +106,14 @@ def compile_on_target(
 ) -> dict:
     """Compile `cfg`'s train step for the target on `mesh_axes`; the compiler's figures.
 
-    `cfg` is already planned for the mesh (`plan.planned_config`); `batch_fn(cfg, mesh)`
-    gives the abstract batch (`plan.abstract_batch`). The chip's HBM is the budget unless
+    `cfg` is already planned for the mesh (`plan.planned_config`). The chip's HBM is the
+    budget unless
     `device_memory` is given. Returns `compile_step_on_devices`'s dict plus the chip.
     """
     chip, where = target_chip(platform, topology, gpu)
-    devices = target_devices(platform, topology, gpu, math.prod(mesh_axes.values()))
+    devices = target_devices(topology, gpu, math.prod(mesh_axes.values()))
     budget = chip.memory if device_memory is None else device_memory
-    report = compile_step_on_devices(cfg, devices, batch_fn, budget)
+    report = compile_step_on_devices(cfg, devices, budget)
     return {
         "platform": platform,
         "target": where,
@@ -123,7 +123,7 @@ def compile_on_target(
     }
 
 
-def compile_step_on_devices(cfg: Config, devices, batch_fn, device_memory: int) -> dict:
+def compile_step_on_devices(cfg: Config, devices, device_memory: int) -> dict:
     """Compile `cfg`'s train step on a mesh (`cfg.mesh`) over compile-only `devices`.
 
     Returns a JSON-able dict: `memory` (memory_analysis() fields, bytes per device),
@@ -139,7 +139,7 @@ def compile_step_on_devices(cfg: Config, devices, batch_fn, device_memory: int) 
     t0 = time.perf_counter()
     model, optimizer, _, shardings, state = make_state_fns(cfg, mesh)
     step = make_train_step(cfg, mesh, model, optimizer, shardings)
-    batch = batch_fn(cfg, mesh)
+    batch = abstract_batch(cfg, mesh)
     with jax.set_mesh(mesh), sharding.axis_rules():
         lowered = step.jitted.trace(state, batch).lower()
     try:
@@ -151,13 +151,7 @@ def compile_step_on_devices(cfg: Config, devices, batch_fn, device_memory: int) 
     seconds = time.perf_counter() - t0
     memory = aot.compiled_memory(compiled)
     cost = aot.compiled_cost(compiled)
-    peak = (
-        memory["argument_size_in_bytes"]
-        + memory["output_size_in_bytes"]
-        - memory["alias_size_in_bytes"]
-        + memory["temp_size_in_bytes"]
-        + memory["generated_code_size_in_bytes"]
-    )
+    peak = aot.peak_bytes(memory)
     text = compiled.as_text() or ""
     kernels = aot.kernel_ops(text)
     return {

@@ -159,13 +159,6 @@ def splash_attention(
     return jax.lax.cond(index_causal(layout), kernel, fallback, *args)
 
 
-def _split_axes(mesh, logical: str, *sizes: int) -> tuple[str, ...]:
-    """The mesh axes (> 1 device) the rules give `logical`, if they divide every size."""
-    axes = tuple(a for a in sharding.mesh_axes_of(logical) if mesh.shape.get(a, 1) > 1)
-    n = math.prod(mesh.shape[a] for a in axes)
-    return axes if all(size % n == 0 for size in sizes) else ()
-
-
 def _per_device(run, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxT, kv_seg_BxS):
     """`run` on each device's rows (and heads) under an active multi-device mesh, else
     directly. Rows or heads the mesh axes do not divide are computed on every device of
@@ -174,8 +167,8 @@ def _per_device(run, q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxT, kv_seg_BxS):
     args = (q_BxTxHxK, k_BxSxGxK, v_BxSxGxK, q_seg_BxT, kv_seg_BxS)
     if mesh.empty or mesh.size == 1:
         return run(*args)
-    batch = _split_axes(mesh, "batch", q_BxTxHxK.shape[0])
-    heads = _split_axes(mesh, "act_heads", q_BxTxHxK.shape[2], k_BxSxGxK.shape[2])
+    batch = sharding.split_axes(mesh, "batch", q_BxTxHxK.shape[0])
+    heads = sharding.split_axes(mesh, "act_heads", q_BxTxHxK.shape[2], k_BxSxGxK.shape[2])
     act = P(batch or None, None, heads or None, None)
     seg = None if q_seg_BxT is None else P(batch or None, None)
     smap = jax.shard_map(
