@@ -5,6 +5,8 @@
 #   bash scripts/test.sh --slow     only the slow-marked tests
 #   bash scripts/test.sh --smoke    the smoke tier: the files in tests/smoke_files.txt, a few
 #                                   minutes; run it before every commit (CI runs the whole suite)
+#   bash scripts/test.sh --e2e      only the end-to-end tests (marked e2e: they run
+#                                   `python -m v41jax` in a subprocess), slow ones excluded
 #   bash scripts/test.sh -k resume  extra arguments go to pytest (the fast suite only)
 # Tests run in one worker process per core (pytest-xdist; whole files per worker, so a file's
 # cached models compile once): test time is mostly single-threaded XLA compilation.
@@ -22,6 +24,9 @@ marker="not slow"
 selection=()
 if [ "${1:-}" = "--slow" ]; then
   marker="slow"
+  shift
+elif [ "${1:-}" = "--e2e" ]; then
+  marker="e2e and not slow"
   shift
 elif [ "${1:-}" = "--smoke" ]; then
   mapfile -t selection < <(grep -v '^#' tests/smoke_files.txt | grep .)

@@ -210,11 +210,41 @@ def test_nothing_refers_outside_the_repository():
     assert not problems, "references outside the repository:\n" + "\n".join(problems)
 
 
+MANUAL = (
+    "training",
+    "workdirs",
+    "launching",
+    "accelerators",
+    "hf",
+    "engram",
+    "mhc",
+    "speculative",
+    "dspark",
+)
+
+
 def test_docs_pages_exist_and_are_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    for page in ("engram", "mhc", "speculative", "dspark", "accelerators"):
+    for page in MANUAL:
         assert (ROOT / "docs" / f"{page}.md").is_file()
-        assert f"docs/{page}.md" in readme, f"README.md does not point to docs/{page}.md"
+        assert f"](docs/{page}.md)" in readme, f"README.md does not link docs/{page}.md"
+    unlisted = {p.stem for p in (ROOT / "docs").glob("*.md")} - set(MANUAL)
+    assert not unlisted, f"docs pages the README's manual table does not list: {unlisted}"
+
+
+def test_readme_is_a_front_door_not_the_manual():
+    """The README says what v41jax is, how to install and test it, the CLI at a glance, the
+    layout, the results and where the manual is; the manual lives in docs/."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 250, len(readme.splitlines())
+    for heading in (
+        "## Install and the two commands",
+        "## CLI",
+        "## Manual",
+        "## Layout",
+        "## Results on this machine",
+    ):
+        assert heading in readme, heading
 
 
 @pytest.mark.parametrize(

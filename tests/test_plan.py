@@ -190,15 +190,15 @@ def test_named_configs_have_the_sizes_their_names_say(name, low, high):
 
 
 def test_readme_table_is_the_committed_plans():
-    """README "Launching on TPU / GPU" shows experiments/plan/table.py's rendering of the
-    committed plan JSONs, verbatim."""
+    """docs/launching.md (the manual's launch page) shows experiments/plan/table.py's
+    rendering of the committed plan JSONs, verbatim."""
     run = subprocess.run(
         [sys.executable, os.path.join(ROOT, "experiments", "plan", "table.py")],
         capture_output=True,
         text=True,
         check=True,
     )
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "launching.md")) as f:
         readme = f.read()
     assert run.stdout.strip() in readme
     for name in ("1b_tpu", "8b_cuda"):  # the two full tables

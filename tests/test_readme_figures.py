@@ -108,10 +108,10 @@ def _prose(*parts: str) -> str:
     return " ".join(_read(*parts).split())
 
 
-def test_sharded_lookup_ratios_in_the_readme_are_the_cost_model():
+def test_sharded_lookup_ratios_in_the_docs_are_the_cost_model():
     from v41jax.engram.sharded_cost import lookup_bytes_per_token
 
-    readme = _prose("README.md")
+    readme = _prose("docs", "engram.md")
     for devices, want in ((8, "12.7x"), (64, "101.6x"), (256, "406.4x")):
         args = (devices, 24, 128, 2)
         a2a = lookup_bytes_per_token("all_to_all", *args)["total"]
@@ -120,14 +120,14 @@ def test_sharded_lookup_ratios_in_the_readme_are_the_cost_model():
     assert "408x" not in readme and "(S - 1)x" not in readme
 
 
-def test_readme_lookup_speedup_is_the_recorded_one():
+def test_docs_lookup_speedup_is_the_recorded_one():
     bw = {
         r["path"]: r["gb_per_s"]
         for r in _json("experiments", "benchmarks", "engram.json")["bandwidth"]
     }
     ratio = bw["xla engram_lookup"] / bw["jnp.take"]
-    assert f"{ratio:.2f}x `jnp.take`" in _prose("README.md")
-    assert "~3x" not in _prose("README.md")
+    assert f"{ratio:.2f}x `jnp.take`" in _prose("docs", "engram.md")
+    assert "~3x" not in _prose("docs", "engram.md")
 
 
 def test_readme_spec_throughput_greedy_acceptance_range():
