@@ -17,30 +17,54 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     # configs (plain Python)
-    "Config": "config", "ModelConfig": "config", "EngramConfig": "config",
-    "MHCConfig": "config", "get_config": "config", "named_configs": "config",
+    "Config": "config",
+    "ModelConfig": "config",
+    "EngramConfig": "config",
+    "MHCConfig": "config",
+    "get_config": "config",
+    "named_configs": "config",
     "override": "config",
     # Engram: hashing, the functional pieces, the Linen module
-    "Engram": "engram", "engram_forward": "engram", "engram_gate_value": "engram",
-    "gather_memory": "engram", "default_lookup": "engram", "flat_row_ids": "engram",
-    "ngram_hash_ids": "engram", "ngram_hash_ids_jax": "engram", "ngram_hash_ids_np": "engram",
-    "ngram_hash_ids_step": "engram", "engram_param_shapes": "engram",
+    "Engram": "engram",
+    "engram_forward": "engram",
+    "engram_gate_value": "engram",
+    "gather_memory": "engram",
+    "default_lookup": "engram",
+    "flat_row_ids": "engram",
+    "ngram_hash_ids": "engram",
+    "ngram_hash_ids_jax": "engram",
+    "ngram_hash_ids_np": "engram",
+    "ngram_hash_ids_step": "engram",
+    "engram_param_shapes": "engram",
     # mHC
-    "MHCResidual": "mhc", "mhc_params_init": "mhc", "mhc_coefficients": "mhc",
-    "mhc_apply": "mhc", "expand_streams": "mhc", "reduce_streams": "mhc",
+    "MHCResidual": "mhc",
+    "mhc_params_init": "mhc",
+    "mhc_coefficients": "mhc",
+    "mhc_apply": "mhc",
+    "expand_streams": "mhc",
+    "reduce_streams": "mhc",
     "sinkhorn_knopp": "mhc",
     # speculative decoding
-    "speculative_sample": "speculative", "audit_verifier": "speculative",
+    "speculative_sample": "speculative",
+    "audit_verifier": "speculative",
     "AuditReport": "speculative",
     # the backbone
-    "Transformer": "model", "init_params": "model", "generate": "model",
-    "speculative_generate": "model", "sampling_probs": "model",
+    "Transformer": "model",
+    "init_params": "model",
+    "generate": "model",
+    "speculative_generate": "model",
+    "sampling_probs": "model",
     # training and runs (the `train` function stays `v41jax.train.train`: the name is taken
     # by the subpackage)
-    "load_run": "train", "LoadedRun": "train", "evaluate_run": "train",
+    "load_run": "train",
+    "LoadedRun": "train",
+    "evaluate_run": "train",
     # Hugging Face checkpoints
-    "load_hf": "hf", "save_hf": "hf", "import_hf": "hf", "export_hf": "hf",
-}  # fmt: skip
+    "load_hf": "hf",
+    "save_hf": "hf",
+    "import_hf": "hf",
+    "export_hf": "hf",
+}
 __all__ = sorted(_EXPORTS)
 
 

@@ -51,10 +51,14 @@ def model_config(args) -> ModelConfig:
     """A plain (no Engram, no MoE) model of `--layers` x `--d-model`: heads of 32."""
     d = args.d_model
     return ModelConfig(
-        vocab_size=args.vocab, d_model=d, num_layers=args.layers, num_heads=max(d // 32, 1),
-        num_kv_heads=max(d // 64, 1), d_ff=4 * d,
+        vocab_size=args.vocab,
+        d_model=d,
+        num_layers=args.layers,
+        num_heads=max(d // 32, 1),
+        num_kv_heads=max(d // 64, 1),
+        d_ff=4 * d,
         max_seq_len=max(args.max_seq_len, args.prompt + args.new_tokens),
-    )  # fmt: skip
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "new_tokens", "greedy"))
@@ -100,9 +104,14 @@ def variant_calls(params, cfg: ModelConfig, prompts_BxP: np.ndarray, new_tokens:
 
     def gen(temperature):
         return lambda: generate(
-            params, cfg, prompts, lengths, max_new_tokens=new_tokens,
-            temperature=temperature, rng=rng,
-        )  # fmt: skip
+            params,
+            cfg,
+            prompts,
+            lengths,
+            max_new_tokens=new_tokens,
+            temperature=temperature,
+            rng=rng,
+        )
 
     def bare(greedy):
         return lambda: bare_decode(params, cfg, prompts, rng, new_tokens=new_tokens, greedy=greedy)
@@ -140,22 +149,37 @@ def run(args) -> int:
             bare_ts = times[b, "bare_" + k.split("_")[1]]
             # per pass, against the bare loop timed next to it: robust to the machine's drift
             paired = [t / t_bare for t, t_bare in zip(times[b, k], bare_ts, strict=True)]
-            rows.append(dict(
-                batch=b, variant=k, ms_per_token_fastest=min(ts),
-                ms_per_token_median=statistics.median(ts),
-                ratio_vs_bare=min(ts) / (1e3 * min(bare_ts) / args.new_tokens),
-                ratio_vs_bare_paired_median=statistics.median(paired),
-                ms_per_token_passes=ts, same_greedy_tokens=same_greedy[b],
-            ))  # fmt: skip
+            rows.append(
+                dict(
+                    batch=b,
+                    variant=k,
+                    ms_per_token_fastest=min(ts),
+                    ms_per_token_median=statistics.median(ts),
+                    ratio_vs_bare=min(ts) / (1e3 * min(bare_ts) / args.new_tokens),
+                    ratio_vs_bare_paired_median=statistics.median(paired),
+                    ms_per_token_passes=ts,
+                    same_greedy_tokens=same_greedy[b],
+                )
+            )
     cols = ["batch", "variant", "ms_per_token_fastest", "ms_per_token_median", "ratio_vs_bare"]
     print(format_table(rows, [*cols, "ratio_vs_bare_paired_median", "same_greedy_tokens"]))
-    write_json(args.json, {
-        "benchmark": "decode", "machine": machine_info(), "args": vars(args),
-        "model": {"layers": cfg.num_layers, "d_model": cfg.d_model, "vocab": cfg.vocab_size,
-                  "num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
-                  "max_seq_len": cfg.max_seq_len},
-        "rows": rows,
-    })  # fmt: skip
+    write_json(
+        args.json,
+        {
+            "benchmark": "decode",
+            "machine": machine_info(),
+            "args": vars(args),
+            "model": {
+                "layers": cfg.num_layers,
+                "d_model": cfg.d_model,
+                "vocab": cfg.vocab_size,
+                "num_heads": cfg.num_heads,
+                "num_kv_heads": cfg.num_kv_heads,
+                "max_seq_len": cfg.max_seq_len,
+            },
+            "rows": rows,
+        },
+    )
     return 0
 
 

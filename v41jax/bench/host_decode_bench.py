@@ -65,10 +65,15 @@ def model_config(args) -> ModelConfig:
     )
     d = args.d_model
     return ModelConfig(
-        vocab_size=4096, d_model=d, num_layers=args.layers, num_heads=d // 32,
-        num_kv_heads=max(d // 64, 1), d_ff=4 * d, engram=engram,
+        vocab_size=4096,
+        d_model=d,
+        num_layers=args.layers,
+        num_heads=d // 32,
+        num_kv_heads=max(d // 64, 1),
+        d_ff=4 * d,
+        engram=engram,
         max_seq_len=args.prompt + args.new + 8,
-    )  # fmt: skip
+    )
 
 
 def placements(params, cfg: ModelConfig, file_dir: str) -> dict:
@@ -123,19 +128,42 @@ def run(args) -> int:
             dev = statistics.median(times["device"])
             for k, ts in times.items():
                 med = statistics.median(ts)
-                rows.append(dict(
-                    batch=b, placement=k, ms_per_token_step=1e3 * med / args.new,
-                    tokens_per_s=b * args.new / med, best_tokens_per_s=b * args.new / min(ts),
-                    extra_ms_per_step=1e3 * (med - dev) / args.new, ratio=dev / med,
-                    same_tokens=same,
-                ))  # fmt: skip
-    cols = ["batch", "placement", "ms_per_token_step", "tokens_per_s", "best_tokens_per_s",
-            "extra_ms_per_step", "ratio", "same_tokens"]  # fmt: skip
+                rows.append(
+                    dict(
+                        batch=b,
+                        placement=k,
+                        ms_per_token_step=1e3 * med / args.new,
+                        tokens_per_s=b * args.new / med,
+                        best_tokens_per_s=b * args.new / min(ts),
+                        extra_ms_per_step=1e3 * (med - dev) / args.new,
+                        ratio=dev / med,
+                        same_tokens=same,
+                    )
+                )
+    cols = [
+        "batch",
+        "placement",
+        "ms_per_token_step",
+        "tokens_per_s",
+        "best_tokens_per_s",
+        "extra_ms_per_step",
+        "ratio",
+        "same_tokens",
+    ]
     print(format_table(rows, cols))
-    write_json(args.json, {
-        "benchmark": "host_decode", "machine": machine_info(), "args": vars(args),
-        "model": {"layers": cfg.num_layers, "d_model": cfg.d_model,
-                  "engram_layers": list(cfg.engram.layer_ids), "table_bytes": table_bytes},
-        "rows": rows,
-    })  # fmt: skip
+    write_json(
+        args.json,
+        {
+            "benchmark": "host_decode",
+            "machine": machine_info(),
+            "args": vars(args),
+            "model": {
+                "layers": cfg.num_layers,
+                "d_model": cfg.d_model,
+                "engram_layers": list(cfg.engram.layer_ids),
+                "table_bytes": table_bytes,
+            },
+            "rows": rows,
+        },
+    )
     return 0 if all(r["same_tokens"] for r in rows) else 1

@@ -93,9 +93,17 @@ def mhc_rows(chip, tokens: int) -> list[dict]:
             S((c,), f32),
         ]
         plan = make_plan(
-            "tpu", num=tokens, n=n, c=c, k=k, x_item=item, out_item=item,
-            with_norm=True, norm_eps=1e-6, out_dtype=dtype,
-        )  # fmt: skip
+            "tpu",
+            num=tokens,
+            n=n,
+            c=c,
+            k=k,
+            x_item=item,
+            out_item=item,
+            with_norm=True,
+            norm_eps=1e-6,
+            out_dtype=dtype,
+        )
         grid, ins, outs = block_specs(plan, tokens, n, c, k, dtype, True)
         got = _compile(lambda *a: mhc_single_pass(*a, impl="pallas"), args, chip)
         rows.append(
@@ -107,7 +115,7 @@ def mhc_rows(chip, tokens: int) -> list[dict]:
                 bound=(2 * n + 2) * c * item * tokens,
                 model=block_traffic(grid, ins + outs),
                 got=got,
-            )  # fmt: skip
+            )
         )
     return rows
 

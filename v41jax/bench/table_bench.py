@@ -41,8 +41,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--optimizers", default=",".join(table_optim.TABLE_OPTIMIZERS))
     p.add_argument("--dense-max", type=float, default=1e8, help="largest size for adam")
     p.add_argument("--steps", type=int, default=10, help="timed steps per row")
-    p.add_argument("--memory-fraction", type=float, default=0.6,
-                   help="skip sizes whose table + state exceed this share of RAM")  # fmt: skip
+    p.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.6,
+        help="skip sizes whose table + state exceed this share of RAM",
+    )
     p.add_argument("--json", default=None)
 
 
@@ -144,14 +148,17 @@ def run(args) -> int:
             rows.append(row)
             print(format_table([row], list(row)), flush=True)
             jax.clear_caches()
-    cols = ["optimizer", "table_params", "table_MiB", "opt_state_MiB", "s_per_step",
-            "vs_smallest"]  # fmt: skip
+    cols = ["optimizer", "table_params", "table_MiB", "opt_state_MiB", "s_per_step", "vs_smallest"]
     print(format_table(rows, cols))
     for s in skipped:
-        print(f"skipped {s['optimizer']} at {s['size']:.0e}: needs {s['bytes_needed'] / 2**30:.1f}"
-              " GiB (or above --dense-max)")  # fmt: skip
-    write_json(args.json, {"machine": machine_info(), "rows": rows, "skipped": skipped,
-                           "steps": args.steps})  # fmt: skip
+        print(
+            f"skipped {s['optimizer']} at {s['size']:.0e}: needs {s['bytes_needed'] / 2**30:.1f}"
+            " GiB (or above --dense-max)"
+        )
+    write_json(
+        args.json,
+        {"machine": machine_info(), "rows": rows, "skipped": skipped, "steps": args.steps},
+    )
     return 0
 
 

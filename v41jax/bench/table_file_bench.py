@@ -70,8 +70,11 @@ def resident(arr: np.ndarray) -> np.ndarray:
     """uint8 [pages]: 1 where the page of `arr`'s (page-aligned) mapping is in RAM."""
     n = -(-arr.nbytes // PAGE)
     vec = np.zeros(n, np.uint8)
-    rc = _LIBC.mincore(ctypes.c_void_p(arr.ctypes.data), ctypes.c_size_t(arr.nbytes),
-                       vec.ctypes.data_as(ctypes.c_void_p))  # fmt: skip
+    rc = _LIBC.mincore(
+        ctypes.c_void_p(arr.ctypes.data),
+        ctypes.c_size_t(arr.nbytes),
+        vec.ctypes.data_as(ctypes.c_void_p),
+    )
     if rc != 0:
         raise OSError(ctypes.get_errno(), "mincore failed")
     return vec & 1
@@ -201,9 +204,17 @@ def bench_size(gib: float, args) -> list[dict]:
         for _ in range(5):
             host.gather(gen.draw("zipf", n_ids)[:, None])
         sec = (time.perf_counter() - start) / 5
-        out.append({**size_row, "path": "in_ram", "dist": "zipf", "threads": 2,
-                    "rows_per_s": n_ids / sec, "tokens_per_s": n_ids / args.heads / sec,
-                    "ms_per_step": sec * 1e3})  # fmt: skip
+        out.append(
+            {
+                **size_row,
+                "path": "in_ram",
+                "dist": "zipf",
+                "threads": 2,
+                "rows_per_s": n_ids / sec,
+                "tokens_per_s": n_ids / args.heads / sec,
+                "ms_per_step": sec * 1e3,
+            }
+        )
         host.close()
         del host
     t.close()

@@ -23,9 +23,13 @@ TABLE_OPTIMIZERS = ("adam", "sparse_adam", "rowwise_adagrad")
 ATTENTION_IMPLS = ("auto", "reference", "blockwise", "dot_product", "splash")
 # model.remat_policy: what a block saves for the backward pass (v41jax.model.remat).
 REMAT_POLICIES = (
-    "none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "save_qkv_proj",
+    "none",
+    "full",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "save_qkv_proj",
     "save_out_proj",
-)  # fmt: skip
+)
 
 
 @dataclass(frozen=True)

@@ -60,10 +60,15 @@ class CompressionTable:
 # The Engram demo's normaliser pipeline, from `tokenizers` itself: NFKC, NFD, strip accents,
 # lowercase, collapse space/tab/CR/LF runs to one space; then Strip, except that a text that
 # is exactly " " stays " " (the demo keeps the space token apart from the empty string).
-_NORMALIZER = normalizers.Sequence([
-    normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
-    normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-])  # fmt: skip
+_NORMALIZER = normalizers.Sequence(
+    [
+        normalizers.NFKC(),
+        normalizers.NFD(),
+        normalizers.StripAccents(),
+        normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
+    ]
+)
 _STRIP = normalizers.Strip()
 
 

@@ -89,8 +89,9 @@ class Tokenizer:
         """The special tokens the template puts before a text's first token: those before the
         first non-special one of a probe text (any text the vocabulary encodes)."""
         added = self._tok.get_added_tokens_decoder()
-        probes = ["a"] + [self._tok.id_to_token(i) for i in range(min(self.vocab_size, 64))
-                          if i not in added]  # fmt: skip
+        probes = ["a"] + [
+            self._tok.id_to_token(i) for i in range(min(self.vocab_size, 64)) if i not in added
+        ]
         for text in probes:
             try:
                 enc = self._tok.encode(text, add_special_tokens=True)

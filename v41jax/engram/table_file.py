@@ -244,8 +244,10 @@ class TableFile:
             self._read_into(out, flat)
         else:
             cut = np.linspace(0, flat.size, self.threads + 1).astype(int)
-            for job in [self._pool.submit(self._read_into, out[a:b], flat[a:b])
-                        for a, b in zip(cut[:-1], cut[1:], strict=True)]:  # fmt: skip
+            for job in [
+                self._pool.submit(self._read_into, out[a:b], flat[a:b])
+                for a, b in zip(cut[:-1], cut[1:], strict=True)
+            ]:
                 job.result()
         return out.reshape(*ids.shape, self.dim)
 
@@ -387,8 +389,16 @@ def restore_table_file(
     tmp = dest.rstrip("/") + ".restoring"
     shutil.rmtree(tmp, ignore_errors=True)
     i = h["init"]
-    table = create_table_file(tmp, h["rows"], h["dim"], h["dtype"], seed=i["seed"],
-                              init_std=i["std"], lazy=True, progress=False)  # fmt: skip
+    table = create_table_file(
+        tmp,
+        h["rows"],
+        h["dim"],
+        h["dtype"],
+        seed=i["seed"],
+        init_std=i["std"],
+        lazy=True,
+        progress=False,
+    )
     for name, (_, ids, rows, scale) in zip(use, segments, strict=True):
         for a in range(0, ids.size, chunk_rows):
             b = a + chunk_rows

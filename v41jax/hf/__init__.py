@@ -6,11 +6,17 @@ first use, so `v41jax.hf.cli` (imported by the command line) pulls in no jax."""
 import importlib
 
 _EXPORTS = {
-    "FAMILIES": "convert", "hf_config_from_model": "convert", "model_config_from_hf": "convert",
-    "load_hf": "checkpoint", "load_hf_params": "checkpoint", "read_hf_config": "checkpoint",
-    "save_hf": "checkpoint", "check_hf_dir": "checkpoint", "import_hf": "workdir",
+    "FAMILIES": "convert",
+    "hf_config_from_model": "convert",
+    "model_config_from_hf": "convert",
+    "load_hf": "checkpoint",
+    "load_hf_params": "checkpoint",
+    "read_hf_config": "checkpoint",
+    "save_hf": "checkpoint",
+    "check_hf_dir": "checkpoint",
+    "import_hf": "workdir",
     "export_hf": "workdir",
-}  # fmt: skip
+}
 __all__ = sorted(_EXPORTS)
 
 

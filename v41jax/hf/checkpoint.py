@@ -38,11 +38,15 @@ def read_hf_config(hf_dir: str) -> dict:
     not a directory or holds no config.json, and a damaged config.json (e.g. cut short), are
     errors naming it."""
     if not os.path.exists(hf_dir):
-        raise FileNotFoundError(f"{hf_dir} does not exist (a Hugging Face model directory: "
-                                "config.json + safetensors + tokenizer.json)")  # fmt: skip
+        raise FileNotFoundError(
+            f"{hf_dir} does not exist (a Hugging Face model directory: "
+            "config.json + safetensors + tokenizer.json)"
+        )
     if not os.path.isdir(hf_dir):
-        raise ValueError(f"{hf_dir} is a file, not a Hugging Face model directory (config.json "
-                         "+ safetensors + tokenizer.json)")  # fmt: skip
+        raise ValueError(
+            f"{hf_dir} is a file, not a Hugging Face model directory (config.json "
+            "+ safetensors + tokenizer.json)"
+        )
     path = os.path.join(hf_dir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{hf_dir} holds no Hugging Face model (no config.json)")
@@ -74,15 +78,17 @@ def tensor_files(hf_dir: str) -> dict[str, str]:
         files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
         for name, path in files.items():
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"{index} puts tensor {name} in {weight_map[name]}, "
-                                        f"which {hf_dir} lacks")  # fmt: skip
+                raise FileNotFoundError(
+                    f"{index} puts tensor {name} in {weight_map[name]}, which {hf_dir} lacks"
+                )
         return files
     single = os.path.join(hf_dir, SINGLE)
     if not os.path.exists(single):
         others = sorted(f for f in os.listdir(hf_dir) if f.endswith((".bin", ".pt", ".pth")))
         found = f" (only {', '.join(others[:3])}: convert to safetensors)" if others else ""
-        raise FileNotFoundError(f"{hf_dir} has no safetensors weights: neither {INDEX} nor "
-                                f"{SINGLE}{found}")  # fmt: skip
+        raise FileNotFoundError(
+            f"{hf_dir} has no safetensors weights: neither {INDEX} nor {SINGLE}{found}"
+        )
     return {name: single for name in read_header(single)[0]}
 
 
@@ -97,9 +103,11 @@ def _mapped(files: dict[str, str]) -> dict[str, np.ndarray]:
     for path, names in by_file.items():
         tensors = mapped_tensors(path)
         if missing := sorted(set(names) - set(tensors)):
-            raise ValueError(f"{path} lacks tensor {missing[0]}" +
-                             (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") +
-                             f", which {INDEX} puts in it")  # fmt: skip
+            raise ValueError(
+                f"{path} lacks tensor {missing[0]}"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                + f", which {INDEX} puts in it"
+            )
         out.update((name, tensors[name]) for name in names)
     return out
 
@@ -199,8 +207,9 @@ def load_hf_params(hf_dir: str, cfg: ModelConfig, shardings: Any = None, dtype=N
         layout,
     )
     if shardings is None:
-        return jax.tree.map(lambda read, shape: read((slice(None),) * len(shape)),
-                            readers, shapes, is_leaf=callable)  # fmt: skip
+        return jax.tree.map(
+            lambda read, shape: read((slice(None),) * len(shape)), readers, shapes, is_leaf=callable
+        )
     return jax.tree.map(_place, readers, shapes, shardings, is_leaf=callable)
 
 

@@ -35,10 +35,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("hf_dir", help="config.json + safetensors (+ tokenizer.json)")
     p.add_argument("--workdir", required=True, help="a new workdir")
-    p.add_argument("--config", default="small",
-                   help="named config for data/train settings (the model is DIR's)")  # fmt: skip
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. --set model.max_seq_len=4096")  # fmt: skip
+    p.add_argument(
+        "--config",
+        default="small",
+        help="named config for data/train settings (the model is DIR's)",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set model.max_seq_len=4096",
+    )
     p.set_defaults(func=cmd_import_hf)
     p = sub.add_parser("export-hf", help="a workdir's model as a Hugging Face model directory")
     p.add_argument("--workdir", required=True)

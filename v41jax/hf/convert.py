@@ -37,20 +37,60 @@ import numpy as np
 from v41jax.config import ModelConfig
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 # fields read elsewhere or that do not change the function
-_IGNORED = {"architectures", "attention_dropout", "bos_token_id", "eos_token_id", "pad_token_id",
-            "dtype", "torch_dtype", "initializer_range", "transformers_version", "use_cache",
-            "model_type", "max_window_layers", "pretraining_tp", "layer_types",
-            "use_sliding_window", "sliding_window", "rope_parameters", "rope_theta",
-            "rope_scaling", "hidden_act", "attention_bias", "mlp_bias", "head_dim",
-            "tie_word_embeddings", "num_key_value_heads", "output_attentions",
-            "output_hidden_states", "return_dict", "_name_or_path", "tokenizer_class",
-            "generation_config", "vocab_size", "hidden_size", "num_hidden_layers",
-            "num_attention_heads", "intermediate_size", "rms_norm_eps",
-            "max_position_embeddings", "bos_token", "eos_token", "chunk_size_feed_forward",
-            "is_encoder_decoder", "id2label", "label2id", "problem_type"}  # fmt: skip
+_IGNORED = {
+    "architectures",
+    "attention_dropout",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "dtype",
+    "torch_dtype",
+    "initializer_range",
+    "transformers_version",
+    "use_cache",
+    "model_type",
+    "max_window_layers",
+    "pretraining_tp",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "head_dim",
+    "tie_word_embeddings",
+    "num_key_value_heads",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+    "_name_or_path",
+    "tokenizer_class",
+    "generation_config",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "bos_token",
+    "eos_token",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "id2label",
+    "label2id",
+    "problem_type",
+}
 
 
 def _refuse(field: str, value, why: str):

@@ -51,8 +51,10 @@ def read_header(path: str) -> tuple[dict, int]:
             raise ValueError(f"{path}: not a safetensors file ({size} bytes)")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
-            raise ValueError(f"{path}: header length {n} exceeds the file ({size} bytes): "
-                             "cut short, or not a safetensors file")  # fmt: skip
+            raise ValueError(
+                f"{path}: header length {n} exceeds the file ({size} bytes): "
+                "cut short, or not a safetensors file"
+            )
         header = parse_json(f.read(n), f"{path}: the {n}-byte header")
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header is a JSON {type(header).__name__}, not an object")

@@ -80,9 +80,10 @@ def import_hf(hf_dir: str, workdir: str, base: str = "small", overrides: list[st
         step=jax.device_put(jnp.zeros((), jnp.int32), shardings.step),
         params=params,
         opt_state=opt_state,
-        rng=jax.device_put(jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), 1),
-                           shardings.rng),
-    )  # fmt: skip
+        rng=jax.device_put(
+            jax.random.fold_in(jax.random.PRNGKey(cfg.train.seed), 1), shardings.rng
+        ),
+    )
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.json")
     for name in TOKENIZER_FILES:
@@ -94,9 +95,14 @@ def import_hf(hf_dir: str, workdir: str, base: str = "small", overrides: list[st
     ckpt.save(0, state, {"imported_from": os.path.abspath(hf_dir)})
     ckpt.close()
     n = sum(x.size for x in jax.tree.leaves(params))
-    return {"workdir": os.fspath(out), "family": read_hf_config(hf_dir)["model_type"],
-            "parameters": int(n), "vocab_size": cfg.model.vocab_size,
-            "tokenizer_vocab": tok.vocab_size, "eos_id": tok.eos_id}  # fmt: skip
+    return {
+        "workdir": os.fspath(out),
+        "family": read_hf_config(hf_dir)["model_type"],
+        "parameters": int(n),
+        "vocab_size": cfg.model.vocab_size,
+        "tokenizer_vocab": tok.vocab_size,
+        "eos_id": tok.eos_id,
+    }
 
 
 def export_hf(workdir: str, out_dir: str, family: str, step: int | None = None) -> list[str]:

@@ -219,9 +219,17 @@ def audit_check(name, case, obs, exp, labels=(), note="", bad=None) -> dict:
     tiny = not impossible and p < 1e-300
     log10_p = _chi2_log10_sf(g, dof) if tiny else math.log10(p) if p else -math.inf
     return dict(
-        name=name, case=case, statistic=g, dof=dof, p_value=p, log10_p=log10_p,
-        observed=np.asarray(obs), expected=np.asarray(exp), labels=tuple(labels), note=note,
-    )  # fmt: skip
+        name=name,
+        case=case,
+        statistic=g,
+        dof=dof,
+        p_value=p,
+        log10_p=log10_p,
+        observed=np.asarray(obs),
+        expected=np.asarray(exp),
+        labels=tuple(labels),
+        note=note,
+    )
 
 
 def validity_check(case: _Case, d, ell, out, acc) -> dict:
@@ -321,13 +329,19 @@ def audit_verifier(
 def make_report(raw: list[dict], alpha: float, fn, name: str, start: float, **meta) -> AuditReport:
     """Verdict over `raw` checks: each passes iff min(1, m p) >= alpha (Bonferroni, m checks)."""
     m = len(raw)
-    tests = [AuditCheck(p_adjusted=(a := min(1.0, r["p_value"] * m)), passed=a >= alpha, **r)
-             for r in raw]  # fmt: skip
+    tests = [
+        AuditCheck(p_adjusted=(a := min(1.0, r["p_value"] * m)), passed=a >= alpha, **r)
+        for r in raw
+    ]
     return AuditReport(
-        passed=all(t.passed for t in tests), p_value=min(t.p_adjusted for t in tests),
-        alpha=alpha, tests=tests, verifier_name=name or getattr(fn, "__name__", repr(fn)),
-        seconds=time.perf_counter() - start, **meta,
-    )  # fmt: skip
+        passed=all(t.passed for t in tests),
+        p_value=min(t.p_adjusted for t in tests),
+        alpha=alpha,
+        tests=tests,
+        verifier_name=name or getattr(fn, "__name__", repr(fn)),
+        seconds=time.perf_counter() - start,
+        **meta,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -106,9 +106,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     report = audit_verifier(
-        verifier, vocab_size=args.vocab, k=args.k, num_samples=args.samples,
-        seed=args.seed, alpha=args.alpha, jit=not args.no_jit, name=args.verifier,
-    )  # fmt: skip
+        verifier,
+        vocab_size=args.vocab,
+        k=args.k,
+        num_samples=args.samples,
+        seed=args.seed,
+        alpha=args.alpha,
+        jit=not args.no_jit,
+        name=args.verifier,
+    )
     verbose = args.verbose or args.detail is not None
     print(report.format(args.detail or "all") if verbose else report.summary())
     return 0 if report.passed else 1

@@ -191,40 +191,40 @@ def format_plan(r: dict) -> str:
             "outputs (compiled; aliased to the donated state)",
             _gib(b["outputs"]),
             target("output_size_in_bytes"),
-        ),  # fmt: skip
+        ),
         ("aliased (compiled)", _gib(b["aliased"]), target("alias_size_in_bytes")),
         (
             "activations + temporaries (compiled)",
             _gib(b["temporaries"]),
             target("temp_size_in_bytes"),
-        ),  # fmt: skip
+        ),
         (
             "generated code (compiled)",
             _gib(b["generated_code"]),
             target("generated_code_size_in_bytes"),
-        ),  # fmt: skip
+        ),
         (
             "peak = arguments + outputs - aliased + temporaries + code",
             _gib(b["peak"]),
             _gib(t["peak_bytes"]) if t and t["peak_bytes"] is not None else "",
-        ),  # fmt: skip
+        ),
         (
             f"device memory ({r['device']})",
             _gib(r["device_memory"]),
             _gib(t["device_memory"]) if t else "",
-        ),  # fmt: skip
+        ),
         (
             "fits",
             verdict(r["fits"], r["headroom_bytes"]),
             verdict(t["fits"], t["headroom_bytes"]) if t else "",
-        ),  # fmt: skip
+        ),
         ("FLOPs/step, model (6 N + attention), global", f"{f['model_global']:.4g}", ""),
         ("FLOPs/step, program matmuls (jaxpr), global", f"{f['program_matmul_global']:.4g}", ""),
         (
             "FLOPs/step, XLA cost analysis, per device (loops once)",
             f"{xla_flops:.4g}",
             f"{t['flops_per_device']:.4g}" if t and t["flops_per_device"] else "",
-        ),  # fmt: skip
+        ),
         ("MFU bound (model / program matmul FLOPs)", _pct(r["mfu_bound"]), ""),
         (f"step time at peak ({r['peak_flops_per_device']:.4g} FLOP/s)", step_s, ""),
         (f"lowers for {r['platform']}", _lowering(r["target_lowering"]), ""),

@@ -152,8 +152,7 @@ def splash_attention(
         return fallback(*args)
 
     def kernel(q, k, v, layout):
-        run = functools.partial(splash_kernel_attention, block_size=block_size,
-                                interpret=interpret)  # fmt: skip
+        run = functools.partial(splash_kernel_attention, block_size=block_size, interpret=interpret)
         return _per_device(run, q, k, v, layout.q_segment_ids_BxT, layout.kv_segment_ids_BxS)
 
     return jax.lax.cond(index_causal(layout), kernel, fallback, *args)

@@ -72,12 +72,22 @@ def build() -> pathlib.Path:
         raise RuntimeError("no C++ compiler found (set CXX) to build the native host gather")
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, "-O2", "-shared", "-fPIC", "-std=c++17", f"-I{jax.ffi.include_dir()}",
-           str(SOURCE), "-o", str(tmp)]  # fmt: skip
+    cmd = [
+        cxx,
+        "-O2",
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        f"-I{jax.ffi.include_dir()}",
+        str(SOURCE),
+        "-o",
+        str(tmp),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode:
-        raise RuntimeError(f"building the native host gather failed: {' '.join(cmd)}\n"
-                           f"{done.stderr[-2000:]}")  # fmt: skip
+        raise RuntimeError(
+            f"building the native host gather failed: {' '.join(cmd)}\n{done.stderr[-2000:]}"
+        )
     os.replace(tmp, lib)  # atomic: concurrent builders (test workers) never see half a file
     return lib
 
@@ -140,8 +150,12 @@ class NativeTable:
         if scale.dtype == np.float32 and scale.shape == (values.shape[0],):
             return cls(values, scale, KINDS["fp8_row_scale"], 0)
         blocks = scale.shape[1] if scale.ndim == 2 else 0
-        if scale.dtype == np.uint8 and blocks and scale.shape[0] == values.shape[0] and \
-                values.shape[1] % blocks == 0:  # fmt: skip
+        if (
+            scale.dtype == np.uint8
+            and blocks
+            and scale.shape[0] == values.shape[0]
+            and values.shape[1] % blocks == 0
+        ):
             return cls(values, scale, KINDS["fp8_blocks"], values.shape[1] // blocks)
         return None
 
