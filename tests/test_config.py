@@ -73,6 +73,40 @@ def test_bad_values_via_override():
         config_lib.get_config("nope")
 
 
+@pytest.mark.parametrize(
+    "key, good, bad",
+    [
+        ("model.attention_impl", "splash", "flash"),
+        ("model.remat_policy", "dots_saveable", "fulll"),
+        ("model.compute_dtype", "bfloat16", "bf16"),
+        ("model.mhc.form", "single_pass", "singlepass"),
+        ("model.mhc.single_pass_impl", "pallas", "triton"),
+        ("model.engram.table_dtype", "float8_e4m3fn", "fp8"),
+        ("optim.table_optimizer", "rowwise_adagrad", "adagrad"),
+    ],
+)
+def test_string_enums_are_literals_and_refused_by_name(key, good, bad):
+    """A field whose values are a fixed set is a `Literal` type, and --set takes one of them;
+    anything else is refused naming the field, the value and the choices."""
+    import typing
+
+    from v41jax.config import text
+
+    cfg = config_lib.get_config("tiny")
+    leaf = text.to_dict(config_lib.override(cfg, [f"{key}={good}"]))
+    for part in key.split("."):
+        leaf = leaf[part]
+    assert leaf == good
+    name = key.rpartition(".")[2]
+    with pytest.raises(ValueError, match=rf"{name}='{bad}' not in \("):
+        config_lib.override(cfg, [f"{key}={bad}"])
+    section, _, name = key.rpartition(".")
+    owner = cfg
+    for part in section.split("."):
+        owner = getattr(owner, part)
+    assert typing.get_origin(typing.get_type_hints(type(owner))[name]) is typing.Literal
+
+
 def test_config_from_python_file(tmp_path):
     path = tmp_path / "exp.py"
     path.write_text(

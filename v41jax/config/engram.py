@@ -7,10 +7,14 @@ listed layer.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
-TABLE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn")
-TABLE_PLACEMENTS = ("device", "host")
+TableDtype = Literal["float32", "bfloat16", "float8_e4m3fn"]
+TablePlacement = Literal["device", "host"]
+TABLE_DTYPES = typing.get_args(TableDtype)
+TABLE_PLACEMENTS = typing.get_args(TablePlacement)
 
 
 @dataclass(frozen=True)
@@ -56,12 +60,12 @@ class EngramConfig:
     compressed_vocab_size: int = 0
     kernel_size: int = 4
     use_short_conv: bool = False
-    table_dtype: str = "float32"
+    table_dtype: TableDtype = "float32"
     reset_at_segments: bool = True
     table_lr_scale: float = 5.0
     table_weight_decay: float = 0.0
     table_row_align: int = 128
-    table_placement: str = "device"
+    table_placement: TablePlacement = "device"
     table_path: str = ""
 
     def __post_init__(self):

@@ -7,12 +7,19 @@ state is n streams [B, T, n, C], mixed around every attention and FFN sub-layer 
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
+from typing import Literal
 
 # The residual forms the backbone can train with (same params in every form).
-FORMS = ("reference", "fused", "single_pass")
-RESIDUAL_KINDS = ("mhc", "hc")
-SINKHORN_VARIANTS = ("paper", "v4")
+Form = Literal["reference", "fused", "single_pass"]
+ResidualKind = Literal["mhc", "hc"]
+SinkhornVariant = Literal["paper", "v4"]
+SinglePassImpl = Literal["xla", "pallas", "auto"]
+FORMS = typing.get_args(Form)
+RESIDUAL_KINDS = typing.get_args(ResidualKind)
+SINKHORN_VARIANTS = typing.get_args(SinkhornVariant)
+SINGLE_PASS_IMPLS = typing.get_args(SinglePassImpl)
 
 
 @dataclass(frozen=True)
@@ -44,12 +51,12 @@ class MHCConfig:
     """
 
     n_streams: int = 0
-    form: str = "reference"
-    residual: str = "mhc"
+    form: Form = "reference"
+    residual: ResidualKind = "mhc"
     sinkhorn_iters: int = 20
-    sinkhorn_variant: str = "paper"
+    sinkhorn_variant: SinkhornVariant = "paper"
     alpha_init: float = 0.01
-    single_pass_impl: str = "xla"
+    single_pass_impl: SinglePassImpl = "xla"
 
     def __post_init__(self):
         def require(ok: bool, msg: str) -> None:
@@ -62,8 +69,8 @@ class MHCConfig:
             self.residual in RESIDUAL_KINDS, f"residual={self.residual!r} not in {RESIDUAL_KINDS}"
         )
         require(
-            self.single_pass_impl in ("xla", "pallas", "auto"),
-            f"single_pass_impl={self.single_pass_impl!r} not in ('xla', 'pallas', 'auto')",
+            self.single_pass_impl in SINGLE_PASS_IMPLS,
+            f"single_pass_impl={self.single_pass_impl!r} not in {SINGLE_PASS_IMPLS}",
         )
         require(self.sinkhorn_iters >= 1, f"sinkhorn_iters={self.sinkhorn_iters} must be >= 1")
         require(

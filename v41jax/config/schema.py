@@ -9,27 +9,33 @@ raises ValueError naming the field. Plain Python only (no jax), so any tool can 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 from v41jax.config.engram import EngramConfig
 from v41jax.config.mhc import MHCConfig
 
-DTYPES = ("float32", "bfloat16", "float16")
+Dtype = Literal["float32", "bfloat16", "float16"]
+DTYPES = typing.get_args(Dtype)
 # model.attention_impl: "auto" picks by the platform the program is lowered for (see
 # v41jax.kernels.attention); the others force one implementation.
 # How Engram tables are optimised (v41jax.engram.table_optim): today's dense AdamW, or a
 # row-sparse rule that touches only the rows a batch reads.
-TABLE_OPTIMIZERS = ("adam", "sparse_adam", "rowwise_adagrad")
-ATTENTION_IMPLS = ("auto", "reference", "blockwise", "dot_product", "splash")
+TableOptimizer = Literal["adam", "sparse_adam", "rowwise_adagrad"]
+AttentionImpl = Literal["auto", "reference", "blockwise", "dot_product", "splash"]
+TABLE_OPTIMIZERS = typing.get_args(TableOptimizer)
+ATTENTION_IMPLS = typing.get_args(AttentionImpl)
 # model.remat_policy: what a block saves for the backward pass (v41jax.model.remat).
-REMAT_POLICIES = (
+RematPolicy = Literal[
     "none",
     "full",
     "dots_saveable",
     "dots_with_no_batch_dims_saveable",
     "save_qkv_proj",
     "save_out_proj",
-)
+]
+REMAT_POLICIES = typing.get_args(RematPolicy)
 
 
 @dataclass(frozen=True)
@@ -99,17 +105,17 @@ class ModelConfig:
     tie_embeddings: bool = True
     attention_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim of q and k before RoPE (Qwen3)
-    compute_dtype: str = "float32"  # activations and matmuls
-    param_dtype: str = "float32"  # stored params (fp32 master weights with bf16 compute)
+    compute_dtype: Dtype = "float32"  # activations and matmuls
+    param_dtype: Dtype = "float32"  # stored params (fp32 master weights with bf16 compute)
     segment_mask: bool = True  # packed documents do not attend to each other
     init_std: float = 0.02
-    attention_impl: str = "auto"  # one of ATTENTION_IMPLS
+    attention_impl: AttentionImpl = "auto"
     attention_block_size: int = 512  # query/key block of the blockwise and Pallas paths
     # training loss over chunks of this many positions: the [B, T, V] logits never exist at
     # once (each chunk's are recomputed in the backward); 0 = the whole sequence at once
     logits_chunk: int = 0
     scan_layers: bool = True  # homogeneous runs of blocks under nn.scan
-    remat_policy: str = "none"  # one of REMAT_POLICIES
+    remat_policy: RematPolicy = "none"
     # Engram memory before attention at engram.layer_ids (none by default).
     engram: EngramConfig = field(default_factory=EngramConfig)
     # mHC residual streams around every sub-layer (n_streams = 0: plain residual).
@@ -153,7 +159,7 @@ class OptimConfig:
     # Engram tables: "adam" (dense AdamW in its own group, the reference), "sparse_adam"
     # (lazy Adam on the rows a batch reads) or "rowwise_adagrad" (one accumulator per row);
     # the sparse rules keep lr x model.engram.table_lr_scale and table_weight_decay.
-    table_optimizer: str = "adam"
+    table_optimizer: TableOptimizer = "adam"
     z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2)
     param_groups: tuple[ParamGroup, ...] = (
         ParamGroup("no_decay", r"(scale|bias)$", weight_decay=0.0),

@@ -191,7 +191,7 @@ def _parse_scalar(tp: Any, text: str, key: str) -> Any:
             return tp(text)
         except ValueError:
             raise ValueError(f"--set {key}={text!r}: expected {tp.__name__}") from None
-    if tp is str:
+    if tp is str or typing.get_origin(tp) is typing.Literal:  # a Literal: checked by validate
         return text
     raise ValueError(f"--set {key}: fields of type {tp} cannot be set from the command line")
 
