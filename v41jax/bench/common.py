@@ -11,7 +11,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import jax
 
@@ -26,6 +26,22 @@ def time_call(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5) -> d
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return {"median_s": statistics.median(times), "min_s": min(times), "iters": iters}
+
+
+def time_interleaved(
+    calls: dict[Hashable, Callable[[], object]], *, passes: int
+) -> dict[Hashable, list[float]]:
+    """Seconds of each `calls[k]()` (its result blocked on) in each of `passes` passes, the
+    calls taken in turn within a pass: variants compared pass by pass ran side by side, so a
+    ratio between them survives the machine's drift (which `time_call`'s back-to-back runs
+    of one variant do not). Compile (call once) before timing."""
+    times: dict[Hashable, list[float]] = {k: [] for k in calls}
+    for _ in range(passes):
+        for k, fn in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[k].append(time.perf_counter() - start)
+    return times
 
 
 def machine_info() -> dict[str, object]:

@@ -22,13 +22,18 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41jax.bench.common import format_table, machine_info, positive_int, write_json
+from v41jax.bench.common import (
+    format_table,
+    machine_info,
+    positive_int,
+    time_interleaved,
+    write_json,
+)
 from v41jax.config import ModelConfig
 from v41jax.model import Transformer, generate, init_cache, init_params
 
@@ -135,13 +140,9 @@ def run(args) -> int:
         outs = {k: np.asarray(f()) for k, f in calls[b].items()}  # compile
         # random weights give near-tied logits, so greedy equality is a sanity check only
         same_greedy[b] = bool(np.array_equal(outs["bare_greedy"], outs["generate_greedy"]))
-    times = {(b, k): [] for b in batches for k in VARIANTS}
-    for _ in range(args.passes):
-        for b in batches:
-            for k in VARIANTS:
-                start = time.perf_counter()
-                jax.block_until_ready(calls[b][k]())
-                times[b, k].append(time.perf_counter() - start)
+    times = time_interleaved(
+        {(b, k): calls[b][k] for b in batches for k in VARIANTS}, passes=args.passes
+    )
     rows = []
     for b in batches:
         for k in VARIANTS:

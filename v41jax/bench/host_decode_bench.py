@@ -17,15 +17,21 @@ Greedy outputs are checked equal across placements (the rows are the same bits).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import tempfile
-import time
 
 import jax
 import numpy as np
 
-from v41jax.bench.common import format_table, machine_info, positive_int, write_json
+from v41jax.bench.common import (
+    format_table,
+    machine_info,
+    positive_int,
+    time_interleaved,
+    write_json,
+)
 from v41jax.config import ModelConfig
 from v41jax.engram import EngramConfig
 from v41jax.engram.host_rows import HostRows
@@ -119,12 +125,9 @@ def run(args) -> int:
 
             outs = {k: np.asarray(call(p)) for k, p in by_place.items()}  # compile + check
             same = all(np.array_equal(outs["device"], o) for o in outs.values())
-            times = {k: [] for k in by_place}
-            for _ in range(args.passes):
-                for k, p in by_place.items():
-                    start = time.perf_counter()
-                    jax.block_until_ready(call(p))
-                    times[k].append(time.perf_counter() - start)
+            times = time_interleaved(
+                {k: functools.partial(call, p) for k, p in by_place.items()}, passes=args.passes
+            )
             dev = statistics.median(times["device"])
             for k, ts in times.items():
                 med = statistics.median(ts)
