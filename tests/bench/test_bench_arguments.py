@@ -1,5 +1,5 @@
-"""Small CLI fixes: the Engram bench at any positive --tokens; non-positive sizes rejected by
-the bench argument parsers with an error naming the value."""
+"""Benchmark arguments: the Engram bench at any positive --tokens; non-positive sizes rejected
+by the bench argument parsers with an error naming the value."""
 
 import pytest
 
