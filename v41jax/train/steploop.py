@@ -1,5 +1,5 @@
 """The one step loop both trainers run: `train` (`v41jax.train.loop`) and `train-drafter`
-(`v41jax.dspark.train_shared`, one or several drafters against a frozen target).
+(`v41jax.dspark.train.loop`, one or several drafters against a frozen target).
 
     for s = start + 1 .. end:
         body(s)           # the step; its log line, evaluation and checkpoint when `Cadence` says

@@ -24,8 +24,8 @@ from flax import linen as nn
 
 from v41jax import sharding
 from v41jax.config import OptimConfig
-from v41jax.dspark.config import DrafterRunConfig, DrafterTrainConfig
 from v41jax.dspark.drafter import Drafter
+from v41jax.dspark.train.config import DrafterRunConfig, DrafterTrainConfig
 from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.optimizer import make_optimizer
 
@@ -65,22 +65,39 @@ def drafter_variables(cfg: DrafterRunConfig, target_cfg, frozen, key) -> dict:
     )
 
 
+def _placed(boxed_abstract, mesh):
+    """(shardings from the logical annotations of a boxed abstract tree, the unboxed tree
+    as ShapeDtypeStructs carrying them)."""
+    shardings = sharding.tree_shardings(mesh, boxed_abstract)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        nn.unbox(boxed_abstract),
+        shardings,
+    )
+    return shardings, abstract
+
+
+def _boxed_params(cfg: DrafterRunConfig, target_cfg, frozen):
+    key = jax.random.key(0)
+    return jax.eval_shape(lambda: drafter_variables(cfg, target_cfg, frozen, key)["params"])
+
+
+def abstract_drafter_params(cfg: DrafterRunConfig, target_cfg, frozen, mesh):
+    """The drafter's params as ShapeDtypeStructs in their shardings on `mesh` (those of
+    `drafter_state_fns`' state), for a params-only restore: no optimizer is built."""
+    return _placed(_boxed_params(cfg, target_cfg, frozen), mesh)[1]
+
+
 def drafter_state_fns(cfg: DrafterRunConfig, target_cfg, frozen, mesh):
     """(optimizer, new_state(params) -> state, state_shardings, abstract_state).
 
     new_state places `params` (a plain tree) and a fresh optimizer state in the shardings
     on `mesh`; abstract_state holds ShapeDtypeStructs carrying them (for restore)."""
-    key = jax.random.key(0)
-    boxed = jax.eval_shape(lambda: drafter_variables(cfg, target_cfg, frozen, key)["params"])
+    boxed = _boxed_params(cfg, target_cfg, frozen)
     optimizer = drafter_optimizer(cfg, nn.unbox(boxed))
     # from the BOXED params, so Adam's moments carry their parameter's logical axes
     abstract_boxed = jax.eval_shape(lambda: {"params": boxed, "opt_state": optimizer.init(boxed)})
-    shardings = sharding.tree_shardings(mesh, abstract_boxed)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        nn.unbox(abstract_boxed),
-        shardings,
-    )
+    shardings, abstract = _placed(abstract_boxed, mesh)
     new_state = jax.jit(
         lambda params: {"params": params, "opt_state": optimizer.init(params)},
         out_shardings=shardings,
