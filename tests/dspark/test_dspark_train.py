@@ -259,6 +259,53 @@ def make_train_step(cfg, target_cfg, layer_ids, params):
     return optimizer, step
 
 
+# drafter.json's "train" as every drafter run has written it (before and after the drafter's
+# train config took its optimizer and loop settings from the main trainer's configs)
+RECORDED_TRAIN = {
+    "anchors_per_seq": 2,
+    "batch_size": 8,
+    "checkpoint_every": 4,
+    "conf_weight": 1.0,
+    "data_paths": [],
+    "decay": 0.8,
+    "eval_batches": 1,
+    "eval_every": 0,
+    "grad_clip": 1.0,
+    "keep_checkpoints": 3,
+    "log_every": 2,
+    "lr": 0.002,
+    "seed": 0,
+    "steps": 8,
+    "targets": "distribution",
+    "tv_weight": 0.0,
+    "warmup_steps": 50,
+    "weight_decay": 0.0,
+}
+
+
+def test_the_drafter_train_config_composes_the_trainers_configs(drafter):
+    """train.lr, warmup_steps, weight_decay, grad_clip are the drafter's `OptimConfig`, the
+    step count, seed and cadence its `TrainConfig` (`config.inline`): drafter.json keeps its
+    flat keys and values, a record of that layout loads, and `--set train.lr` sets
+    train.optim.lr."""
+    from v41jax.config import OptimConfig, TrainConfig
+    from v41jax.dspark.train.config import drafter_optim
+
+    with open(os.path.join(drafter[0], "drafter.json")) as f:
+        record = json.load(f)
+    assert record["config"]["train"] == RECORDED_TRAIN
+    cfg = config_lib.from_dict(DrafterRunConfig, {**record["config"], "train": RECORDED_TRAIN})
+    assert cfg == drafter_cfg()
+    assert isinstance(cfg.train.optim, OptimConfig) and isinstance(cfg.train.loop, TrainConfig)
+    assert cfg.train.optim == drafter_optim() and cfg.train.optim.param_groups == ()
+    assert (cfg.train.loop.steps, cfg.train.loop.checkpoint_every) == (8, 4)
+    faster = config_lib.override(cfg, ["train.lr=0.01", "train.seed=3"])
+    assert (faster.train.optim.lr, faster.train.loop.seed) == (0.01, 3)
+    assert config_lib.diff(cfg, faster) == ["train.lr: 0.002 -> 0.01", "train.seed: 0 -> 3"]
+    with pytest.raises(KeyError, match="train.z_loss"):  # only the drafter's own settings
+        config_lib.override(cfg, ["train.z_loss=1"])
+
+
 @pytest.mark.parametrize("head", ["hidden", "prev_token"])
 def test_a_short_run_lowers_the_confidence_bce_of_either_head(target, head):
     """30 steps on one fixed batch (fixed anchors): the confidence BCE against 1 - TV falls,

@@ -40,7 +40,8 @@ class Cadence:
 
     @classmethod
     def of(cls, train_cfg: Any) -> Cadence:
-        """From a config with these four fields (`TrainConfig`, `DrafterTrainConfig`)."""
+        """From a config with these four fields (`TrainConfig`: a run's `train`, a drafter's
+        `train.loop`)."""
         t = train_cfg
         return cls(t.steps, t.log_every, t.eval_every, t.checkpoint_every)
 

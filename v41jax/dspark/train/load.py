@@ -38,7 +38,7 @@ def load_drafter(
         check_target(workdir, record, target)
     frozen = frozen_target(target.params, target.cfg.model)
     abstract = abstract_drafter_params(cfg, target.cfg.model, frozen, target.mesh)
-    run = Run(workdir, cfg.train.keep_checkpoints)
+    run = Run(workdir, cfg.train.loop.keep_checkpoints)
     ckpt = run.checkpointer()
     try:  # read-only, as `load_run`: a damaged newest step is named and left in place
         if step is not None and step not in (have := ckpt.all_steps()):

@@ -27,7 +27,7 @@ from flax import linen as nn
 from v41jax.data import BatchIterator, eval_batches, load_data
 from v41jax.dspark.drafter import frozen_target
 from v41jax.dspark.train import step as S
-from v41jax.dspark.train.config import DrafterRunConfig
+from v41jax.dspark.train.config import DrafterRunConfig, DrafterTrainConfig
 from v41jax.dspark.train.load import load_drafter
 from v41jax.dspark.train.objective import target_features
 from v41jax.dspark.train.record import check_record, load_record, make_record, write_record
@@ -41,8 +41,12 @@ from v41jax.train.steploop import Cadence, RunLog, run_steps
 from v41jax.train.workdir_kind import require_kind
 from v41jax.train.workdir_lock import workdir_lock
 
-# What fixes the batch and anchors: drafters sharing a target pass must agree on these.
-SHARED_FIELDS = ("seed", "batch_size", "anchors_per_seq", "data_paths")
+
+def batch_settings(t: DrafterTrainConfig) -> dict:
+    """What fixes the batch and anchors (by `train.*` key): drafters sharing a target pass
+    must agree on these."""
+    keys = ("batch_size", "anchors_per_seq", "data_paths")
+    return {"seed": t.loop.seed, **{k: getattr(t, k) for k in keys}}
 
 
 @dataclasses.dataclass
@@ -62,15 +66,15 @@ class _DrafterRun:
 
     def takes(self, step: int) -> bool:
         """Whether this run takes step `step` (1-based): resumed before it, not yet done."""
-        return self.start < step <= self.cfg.train.steps
+        return self.start < step <= self.cfg.train.loop.steps
 
 
 def _check_shared(cfgs: dict[str, DrafterRunConfig], target_layers: int) -> tuple:
     first = next(iter(cfgs.values()))
     for workdir, cfg in cfgs.items():
-        for name in SHARED_FIELDS:
-            a, b = getattr(cfg.train, name), getattr(first.train, name)
-            if a != b:
+        ours, theirs = batch_settings(cfg.train), batch_settings(first.train)
+        for name, a in ours.items():
+            if a != (b := theirs[name]):
                 raise ValueError(
                     f"drafters sharing a target pass must agree on train.{name}: {workdir} has "
                     f"{a!r}, another {b!r}"
@@ -87,7 +91,7 @@ def _open_run(cfg, workdir, run: Run, target, record, resuming, init_from, froze
         write_record(run, record)  # a new run, or its target moved (identity checked)
     ckpt = run.checkpointer()
     start = ckpt.latest_step() or 0
-    if start >= cfg.train.steps and run.has("eval.json"):
+    if start >= cfg.train.loop.steps and run.has("eval.json"):
         run.close()
         return None
     opt, new_state, shardings, abstract = drafter_state_fns(cfg, tcfg.model, frozen, target.mesh)
@@ -102,10 +106,10 @@ def _open_run(cfg, workdir, run: Run, target, record, resuming, init_from, froze
     elif init_from:
         state = new_state(load_drafter(init_from, target=target, check=False)[1])
     else:
-        state = new_state(S.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed))
+        state = new_state(S.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.loop.seed))
     # the cadence the trained steps ran under (a resume keeps drafter.json's settings: the
     # run's own) finds the train lines a damaged log lacks, as `train` does
-    cadence = Cadence.of(cfg.train)
+    cadence = Cadence.of(cfg.train.loop)
     log = run.open_log(start, cadence=cadence)
     return _DrafterRun(
         cfg, workdir, run, state, update, log, start, {"step": start}, data_state, cadence
@@ -167,7 +171,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
     tcfg = target.cfg
     shared, layers = _check_shared(cfgs, tcfg.model.num_layers)
     frozen = frozen_target(target.params, tcfg.model)
-    files = {w: Run(w, c.train.keep_checkpoints) for w, c in cfgs.items()}
+    files = {w: Run(w, c.train.loop.keep_checkpoints) for w, c in cfgs.items()}
     records = {
         w: make_record(c, w, target, target_workdir, init_from.get(w)) for w, c in cfgs.items()
     }
@@ -194,7 +198,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
         )
     pi, pc = jax.process_index(), jax.process_count()
     it = BatchIterator(
-        data.train_tokens, data.train_segments, seq_len, shared.batch_size, shared.seed, pi, pc
+        data.train_tokens, data.train_segments, seq_len, shared.batch_size, shared.loop.seed, pi, pc
     )
     rows = slice(pi * it.per_process_batch_size, (pi + 1) * it.per_process_batch_size)
     for r in runs:
@@ -202,7 +206,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
             it.restore(r.data_state)  # refuses data that changed under a resumed run
     prepare = lambda b: device_batch(mesh, add_engram_ids(b, data.compression, tcfg.model))
     val_sets: dict[int, list] = {}
-    for n in {r.cfg.train.eval_batches for r in runs}:  # too little held-out text fails now,
+    for n in {r.cfg.train.loop.eval_batches for r in runs}:  # too little held-out text fails now,
         raw = eval_batches(
             data.val_tokens, data.val_segments, seq_len, shared.batch_size, n, pi, pc
         )
@@ -210,12 +214,12 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
 
     def evaluate(r: _DrafterRun) -> dict:
         ids = r.cfg.drafter.layer_ids_for(tcfg.model.num_layers)
-        val = val_sets[r.cfg.train.eval_batches]
+        val = val_sets[r.cfg.train.loop.eval_batches]
         return S.evaluate_drafter(r.cfg, target, frozen, r.state["params"], val, ids)
 
     target_params = nn.unbox(target.params)
     features = jax.jit(functools.partial(target_features, target_cfg=tcfg.model, layer_ids=layers))
-    start, end = min(r.start for r in runs), max(r.cfg.train.steps for r in runs)
+    start, end = min(r.start for r in runs), max(r.cfg.train.loop.steps for r in runs)
     n, t0 = shared.anchors_per_seq, time.perf_counter()
 
     def body(done: int, bar) -> None:  # step `done` (1-based): batch and anchors of done - 1
@@ -223,7 +227,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
         if not todo:  # every run is further along (resumed at different steps)
             return
         # the anchors of this process's rows, sharded like the batch
-        anchors = S.anchors_at(shared.seed, done - 1, shared.batch_size, seq_len, n)[rows]
+        anchors = S.anchors_at(shared.loop.seed, done - 1, shared.batch_size, seq_len, n)[rows]
         batch = prepare({**it.batch_at(done - 1), "anchors": anchors.astype(np.int32)})
         anchors = batch.pop("anchors")
         feats, logits = features(target_params, batch=batch)
@@ -245,12 +249,12 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
         for r in runs:
             if r.takes(done):
                 r.run.checkpointer().save(done, r.state, it.state())
-            if max(done, r.start) < r.cfg.train.steps:  # not finished: no eval.json
+            if max(done, r.start) < r.cfg.train.loop.steps:  # not finished: no eval.json
                 r.result = {"step": max(done, r.start), "stopped": True}
 
     if run_steps(start, end, body, on_stop, desc="drafters", progress=progress) is None:
         for r in runs:  # killed after its last checkpoint, before its eval.json
-            if r.start == r.cfg.train.steps:
+            if r.start == r.cfg.train.loop.steps:
                 r.result = {"step": r.start, **evaluate(r)}
     for r in runs:
         r.run.close()  # the checkpoints are on disk before eval.json says done
