@@ -188,8 +188,10 @@ def test_one_step_loop():
         if p != own and re.search(r"\b(StopSignal|AgreedStop)\(", p.read_text())
     ]
     assert not others, f"run the loop through v41jax.train.steploop.run_steps: {others}"
-    users = {p.name for p in PACKAGE.rglob("*.py") if "run_steps(" in p.read_text()}
-    assert {"loop.py", "train_shared.py"} <= users, users
+    users = {
+        str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "run_steps(" in p.read_text()
+    }
+    assert {"train/loop.py", "dspark/train/loop.py"} <= users, users
 
 
 def test_ruff_clean():

@@ -139,8 +139,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_train_drafter(args) -> int:
-    from v41jax.dspark.config import DrafterRunConfig, override_run_config
-    from v41jax.dspark.train import load_drafter_config, train_drafter
+    from v41jax.dspark.train.config import DrafterRunConfig, override_run_config
+    from v41jax.dspark.train.loop import train_drafter
+    from v41jax.dspark.train.record import load_drafter_config
 
     try:  # resuming: start from the saved config, so the same command continues the run
         base = load_drafter_config(args.workdir)[0]
@@ -213,7 +214,7 @@ class _Parser(argparse.ArgumentParser):
 def _option_hint(message: str) -> str:
     if "unrecognized arguments" not in message:
         return ""
-    from v41jax.dspark.config import DrafterRunConfig
+    from v41jax.dspark.train.config import DrafterRunConfig
 
     leaves = set()
     for tree in (config_lib.to_dict(config_lib.Config()), config_lib.to_dict(DrafterRunConfig())):

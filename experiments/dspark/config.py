@@ -74,7 +74,7 @@ TEMPERATURES = (0.0, 0.5, 1.0)
 # The scheduler vs each fixed length at batch max(BATCHES): SCHED_REPEATS interleaved passes
 # (every configuration once per pass), medians compared (the machine's speed drifts).
 SCHED_REPEATS = 5
-# Replay (`v41jax.dspark.replay`): REPLAY_PASSES decodes at fixed K, batch max(BATCHES), seeds
+# Replay (`v41jax.dspark.train.replay`): REPLAY_PASSES decodes at fixed K, batch max(BATCHES), seeds
 # SEED, SEED + 1, ..., whose rounds every width policy and the oracle bound are priced on.
 REPLAY_PASSES = 8
 SEED = 0

@@ -164,7 +164,8 @@ def study_tables(summary: dict) -> list[str]:
 
 
 def replay_table(rp: dict | None) -> list[str]:
-    """Markdown: every width policy priced on the same logged rounds (v41jax.dspark.replay)."""
+    """Markdown: every width policy priced on the same logged rounds
+    (v41jax.dspark.train.replay)."""
     if not rp:
         return []
     fixed = max(rp["fixed"])

@@ -36,12 +36,13 @@ from v41jax import config as config_lib  # noqa: E402
 from v41jax.bench.common import machine_info  # noqa: E402
 from v41jax.data.corpus import split_speeches_by_year  # noqa: E402
 from v41jax.dspark import analysis as A  # noqa: E402
-from v41jax.dspark.config import DrafterRunConfig  # noqa: E402
 from v41jax.dspark.engine import load_or_measure_cost  # noqa: E402
-from v41jax.dspark.replay import replay_policies, stack_rounds  # noqa: E402
 from v41jax.dspark.self_text import write_target_samples  # noqa: E402
 from v41jax.dspark.study import Decoder, drafter_stats, val_prompts  # noqa: E402
-from v41jax.dspark.train import load_drafter, train_drafter  # noqa: E402
+from v41jax.dspark.train.config import DrafterRunConfig  # noqa: E402
+from v41jax.dspark.train.load import load_drafter  # noqa: E402
+from v41jax.dspark.train.loop import train_drafter  # noqa: E402
+from v41jax.dspark.train.replay import replay_policies, stack_rounds  # noqa: E402
 from v41jax.sweep import experiment_dirs  # noqa: E402
 from v41jax.train import load_run, train  # noqa: E402
 
@@ -178,7 +179,7 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
     the comparison of policies this VM's drift cannot blur); loop rounds vs rounds per row
     (a static batch waits for its slowest row). Then the replay: REPLAY_PASSES decodes at
     fixed K with other seeds, every width policy and the oracle bound priced on their rounds
-    (`v41jax.dspark.replay`)."""
+    (`v41jax.dspark.train.replay`)."""
     k = drafter[0].drafter.block_size
     configs = {f"fixed L={L}": dict(mode="fixed", verify_len=L) for L in range(1, k + 1)}
     # the same lengths on the scheduler's loop (host-driven rounds): the policy alone
@@ -206,7 +207,7 @@ def scheduler_study(dec: Decoder, drafter, cost, batch: int) -> dict:
     for v in out.values():
         v["median_tokens_per_s"] = float(np.median(v["tokens_per_s"]))
     study = {"batch": batch, "cost_table": cost.to_dict(), "configs": out}
-    if one_batch:  # every policy priced on the same logged rounds (v41jax.dspark.replay)
+    if one_batch:  # every policy priced on the same logged rounds (v41jax.dspark.train.replay)
         logs = [
             dec.run(batch, drafter, compile_first=False, seed=C.SEED + i)[1]
             for i in tqdm(range(C.REPLAY_PASSES), desc="replay passes")

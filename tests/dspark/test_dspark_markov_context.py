@@ -107,8 +107,8 @@ def test_markov_draft_q_is_the_sampled_law(temperature):
 
 
 def test_gradients_reach_every_table():
-    from v41jax.dspark.config import DrafterTrainConfig
-    from v41jax.dspark.objective import drafter_loss
+    from v41jax.dspark.train.config import DrafterTrainConfig
+    from v41jax.dspark.train.objective import drafter_loss
 
     tp, dp, frozen, dcfg = _models()
     rng = np.random.default_rng(0)

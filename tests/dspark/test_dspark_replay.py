@@ -1,4 +1,4 @@
-"""Replay of logged rounds (v41jax.dspark.replay): the premise (verifying w of the same
+"""Replay of logged rounds (v41jax.dspark.train.replay): the premise (verifying w of the same
 round's drafts accepts min(A, w)), the oracle bound against brute force, the fixed and
 scheduled rows against direct sums, and named errors."""
 
@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v41jax.dspark.replay import oracle_widths, replay_policies, stack_rounds
 from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
+from v41jax.dspark.train.replay import oracle_widths, replay_policies, stack_rounds
 from v41jax.speculative import speculative_sample
 
 

@@ -15,9 +15,10 @@ import pytest
 
 from v41jax import config as config_lib
 from v41jax.__main__ import main
-from v41jax.dspark.config import DrafterRunConfig
 from v41jax.dspark.self_text import write_target_samples
-from v41jax.dspark.train import load_drafter, train_drafter
+from v41jax.dspark.train.config import DrafterRunConfig
+from v41jax.dspark.train.load import load_drafter
+from v41jax.dspark.train.loop import train_drafter
 from v41jax.train import load_run, train
 from v41jax.train.checkpoint import DamagedCheckpointError
 from v41jax.train.metrics import read_metrics
@@ -84,7 +85,7 @@ def test_backbone_is_bit_identical_and_outside_the_optimizer(target, drafter):
     assert record["target_step"] == 6 and record["step"] == 8
     n_drafter = sum(x.size for x in jax.tree.leaves(params))
     # AdamW keeps two moments per drafter param and a step count: nothing of the target's.
-    from v41jax.dspark.train_state import drafter_optimizer
+    from v41jax.dspark.train.state import drafter_optimizer
 
     opt_state = drafter_optimizer(cfg, params).init(params)
     n_opt = sum(np.size(x) for x in jax.tree.leaves(opt_state))
@@ -226,7 +227,7 @@ def test_a_drafter_checks_its_target(target, drafter, tmp_path):
 
 
 def test_a_drafter_kind_sets_its_own_defaults():
-    from v41jax.dspark.config import override_run_config
+    from v41jax.dspark.train.config import override_run_config
 
     mtp1 = override_run_config(DrafterRunConfig(), ["drafter.kind=mtp1"]).drafter
     assert (mtp1.kind, mtp1.block_size) == ("mtp1", 1)
@@ -236,6 +237,75 @@ def test_a_drafter_kind_sets_its_own_defaults():
         override_run_config(DrafterRunConfig(), ["drafter.kind=mtp1", "drafter.block_size=3"])
 
 
+def make_train_step(cfg, target_cfg, layer_ids, params):
+    """(optimizer, step(state, target_params, frozen, batch, anchors)): the frozen-target
+    pass then the drafter's update (`make_update`), for one drafter with `params`' tree."""
+    import functools
+
+    from v41jax.dspark.train.objective import target_features
+    from v41jax.dspark.train.state import drafter_optimizer
+    from v41jax.dspark.train.step import make_update
+
+    optimizer = drafter_optimizer(cfg, params)
+    update = make_update(cfg, target_cfg, optimizer)
+    features = jax.jit(
+        functools.partial(target_features, target_cfg=target_cfg, layer_ids=tuple(layer_ids))
+    )
+
+    def step(state, target_params, frozen, batch, anchors):
+        feats, logits = features(target_params, batch=batch)
+        return update(state, frozen, feats, logits, batch, anchors)
+
+    return optimizer, step
+
+
+# drafter.json's "train" as every drafter run has written it (before and after the drafter's
+# train config took its optimizer and loop settings from the main trainer's configs)
+RECORDED_TRAIN = {
+    "anchors_per_seq": 2,
+    "batch_size": 8,
+    "checkpoint_every": 4,
+    "conf_weight": 1.0,
+    "data_paths": [],
+    "decay": 0.8,
+    "eval_batches": 1,
+    "eval_every": 0,
+    "grad_clip": 1.0,
+    "keep_checkpoints": 3,
+    "log_every": 2,
+    "lr": 0.002,
+    "seed": 0,
+    "steps": 8,
+    "targets": "distribution",
+    "tv_weight": 0.0,
+    "warmup_steps": 50,
+    "weight_decay": 0.0,
+}
+
+
+def test_the_drafter_train_config_composes_the_trainers_configs(drafter):
+    """train.lr, warmup_steps, weight_decay, grad_clip are the drafter's `OptimConfig`, the
+    step count, seed and cadence its `TrainConfig` (`config.inline`): drafter.json keeps its
+    flat keys and values, a record of that layout loads, and `--set train.lr` sets
+    train.optim.lr."""
+    from v41jax.config import OptimConfig, TrainConfig
+    from v41jax.dspark.train.config import drafter_optim
+
+    with open(os.path.join(drafter[0], "drafter.json")) as f:
+        record = json.load(f)
+    assert record["config"]["train"] == RECORDED_TRAIN
+    cfg = config_lib.from_dict(DrafterRunConfig, {**record["config"], "train": RECORDED_TRAIN})
+    assert cfg == drafter_cfg()
+    assert isinstance(cfg.train.optim, OptimConfig) and isinstance(cfg.train.loop, TrainConfig)
+    assert cfg.train.optim == drafter_optim() and cfg.train.optim.param_groups == ()
+    assert (cfg.train.loop.steps, cfg.train.loop.checkpoint_every) == (8, 4)
+    faster = config_lib.override(cfg, ["train.lr=0.01", "train.seed=3"])
+    assert (faster.train.optim.lr, faster.train.loop.seed) == (0.01, 3)
+    assert config_lib.diff(cfg, faster) == ["train.lr: 0.002 -> 0.01", "train.seed: 0 -> 3"]
+    with pytest.raises(KeyError, match="train.z_loss"):  # only the drafter's own settings
+        config_lib.override(cfg, ["train.z_loss=1"])
+
+
 @pytest.mark.parametrize("head", ["hidden", "prev_token"])
 def test_a_short_run_lowers_the_confidence_bce_of_either_head(target, head):
     """30 steps on one fixed batch (fixed anchors): the confidence BCE against 1 - TV falls,
@@ -243,8 +313,8 @@ def test_a_short_run_lowers_the_confidence_bce_of_either_head(target, head):
     import jax.numpy as jnp
 
     from v41jax.dspark.drafter import frozen_target
-    from v41jax.dspark.objective import eval_metrics
-    from v41jax.dspark.train import init_drafter_params, make_train_step
+    from v41jax.dspark.train.objective import eval_metrics
+    from v41jax.dspark.train.step import init_drafter_params
 
     run = load_run(target)
     cfg = drafter_cfg(f"drafter.confidence_input={head}", "train.lr=3e-3", "train.warmup_steps=0")
@@ -294,8 +364,8 @@ def test_a_checkpoint_of_the_earlier_optimizer_structure_resumes_exactly(target,
     training stack's optimizer) are read and rewrapped: resuming from such a step-4 checkpoint
     ends on the uninterrupted run's params, so no moment was lost or swapped."""
     from v41jax.dspark.drafter import frozen_target
-    from v41jax.dspark.train import load_drafter_config
-    from v41jax.dspark.train_state import _legacy_opt_structure, drafter_state_fns
+    from v41jax.dspark.train.record import load_drafter_config
+    from v41jax.dspark.train.state import _legacy_opt_structure, drafter_state_fns
     from v41jax.train.checkpoint import Checkpointer
 
     final = _leaves(load_drafter(drafter[0])[1])
@@ -380,3 +450,48 @@ def test_a_cut_drafter_json_is_named_in_one_line(target, drafter, capsys):
         lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
         assert len(lines) == 1 and path in lines[0] and "cut short" in lines[0], err
     assert _snapshot(workdir) == before
+
+
+def test_loading_a_drafter_for_decoding_builds_no_optimizer(target, drafter, monkeypatch):
+    """load_drafter (generate --drafter, given the loaded target) restores the params alone:
+    with every optimizer builder made to fail it still reads the trained params (training
+    resumes the whole state)."""
+    import optax
+
+    from v41jax.dspark.train import state as drafter_state
+
+    run = load_run(target)
+    trained = _leaves(load_drafter(drafter[0], target=run)[1])
+
+    def no_optimizer(*args, **kwargs):
+        raise AssertionError("decoding built an optimizer")
+
+    for name in ("make_optimizer", "drafter_optimizer", "_legacy_opt_structure"):
+        monkeypatch.setattr(drafter_state, name, no_optimizer)
+    monkeypatch.setattr(optax, "adamw", no_optimizer)
+    _, params, record = load_drafter(drafter[0], target=run)
+    assert record["step"] == 8
+    assert all(np.array_equal(a, b) for a, b in zip(trained, _leaves(params), strict=True))
+
+
+def test_a_drafter_run_writes_its_small_files_on_process_0_only(target, drafter, monkeypatch):
+    """Resumed on a process other than 0 (as `Run` sees it), a drafter run saves its
+    checkpoint (every process takes part) but writes no drafter.json, log or eval.json."""
+    import types
+
+    from v41jax.train import run as run_lib
+
+    workdir = _copy(drafter, "process_1")
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "8"))
+    os.remove(os.path.join(workdir, "eval.json"))
+    before = _snapshot(workdir)
+    monkeypatch.setattr(run_lib, "jax", types.SimpleNamespace(process_index=lambda: 1))
+    result = train_drafter(drafter_cfg(), target, workdir, progress=False)
+    assert result["step"] == 8 and os.path.isdir(os.path.join(workdir, "checkpoints", "8"))
+    after = _snapshot(workdir)
+    assert not os.path.exists(os.path.join(workdir, "eval.json"))
+    for name in ("drafter.json", "metrics.jsonl"):
+        assert after[name] == before[name]
+    assert {n for n in after if n.startswith("tensorboard")} == {
+        n for n in before if n.startswith("tensorboard")
+    }

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from v41jax import config as config_lib
-from v41jax.dspark.config import DrafterRunConfig, override_run_config
-from v41jax.dspark.train import load_drafter
-from v41jax.dspark.train_shared import train_drafters
+from v41jax.dspark.train.config import DrafterRunConfig, override_run_config
+from v41jax.dspark.train.load import load_drafter
+from v41jax.dspark.train.loop import train_drafters
 from v41jax.train import train
 
 SETTINGS = [
@@ -111,9 +111,9 @@ def test_a_signal_stops_every_drafter_at_one_step_and_the_rerun_resumes_exactly(
     exactly as an uninterrupted run."""
     import signal
 
-    from v41jax.dspark import train as T
+    from v41jax.dspark.train import step as S
 
-    anchors_at = T.anchors_at
+    anchors_at = S.anchors_at
 
     def signal_at_step_3(seed, step, *args):
         if step == 2:  # the anchors of step 3 (steps count from 1)
@@ -122,7 +122,7 @@ def test_a_signal_stops_every_drafter_at_one_step_and_the_rerun_resumes_exactly(
 
     runs = {str(tmp_path / "a"): cfg(), str(tmp_path / "b"): cfg("train.steps=6")}
     with monkeypatch.context() as m:
-        m.setattr(T, "anchors_at", signal_at_step_3)
+        m.setattr(S, "anchors_at", signal_at_step_3)
         stopped = train_drafters(runs, target, progress=False)
     assert all(r == {"step": 3, "stopped": True} for r in stopped.values()), stopped
     for w in runs:

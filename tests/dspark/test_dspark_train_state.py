@@ -8,10 +8,10 @@ import pytest
 from v41jax import config as config_lib
 from v41jax import sharding
 from v41jax.config import MeshConfig
-from v41jax.dspark.config import DrafterRunConfig
 from v41jax.dspark.drafter import frozen_target
-from v41jax.dspark.train import init_drafter_params
-from v41jax.dspark.train_state import drafter_optim_config, drafter_optimizer, drafter_state_fns
+from v41jax.dspark.train.config import DrafterRunConfig
+from v41jax.dspark.train.state import drafter_optimizer, drafter_state_fns
+from v41jax.dspark.train.step import init_drafter_params
 from v41jax.train.optimizer import lr_schedule
 from v41jax.train.state import make_state_fns
 
@@ -51,7 +51,7 @@ def test_the_optimizer_is_the_training_stacks_with_the_drafters_schedule(setup):
     cfg, tcfg, frozen, _ = setup
     params = init_drafter_params(cfg, tcfg, frozen, 0)
     opt = drafter_optimizer(cfg, params)
-    sched = lr_schedule(drafter_optim_config(cfg.train), cfg.train.steps)
+    sched = lr_schedule(cfg.train.optim, cfg.train.loop.steps)
     assert float(sched(0)) == 0.0 and float(sched(5)) == pytest.approx(1e-3)
     assert float(sched(40)) == pytest.approx(1e-4)
     state = opt.init(params)

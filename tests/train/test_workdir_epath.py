@@ -213,3 +213,74 @@ def test_what_needs_a_local_directory_is_refused_naming_the_workdir(gcs):
         train(tiny(), "memory://x", progress=False)
     with pytest.raises(ValueError, match="'memory://x'"):
         load_run("memory://x")
+
+
+DRAFTER = [  # a small drafter, trained for 2 steps
+    "drafter.num_layers=1",
+    "drafter.block_size=3",
+    "drafter.markov_rank=4",
+    "drafter.window=16",
+    "train.batch_size=8",
+    "train.anchors_per_seq=2",
+    "train.steps=2",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+]
+
+
+def test_a_drafter_run_touches_its_workdir_only_through_epath(guard, tmp_path):
+    """train-drafter (`v41jax.train.run.Run`, as train) on a workdir the code must treat as
+    remote: trained, rerun (finished: its eval.json read back) and loaded for decoding with
+    no plain file call on it."""
+    from v41jax.dspark.train.config import DrafterRunConfig
+    from v41jax.dspark.train.load import load_drafter
+    from v41jax.dspark.train.loop import train_drafter
+
+    target = str(tmp_path / "target")
+    target_cfg = tiny("train.steps=2", "model.max_seq_len=64", "train.tensorboard=false")
+    train(target_cfg, target, progress=False)
+    guard.root = str(tmp_path / "bucket")
+    (tmp_path / "bucket").mkdir()
+    root = epath.Path(tmp_path / "bucket" / "drafter")
+    cfg = config_lib.override(DrafterRunConfig(), DRAFTER)
+    result = train_drafter(cfg, target, root, progress=False)
+    assert train_drafter(cfg, target, str(root), progress=False) == result
+    _, params, record = load_drafter(root)
+    assert guard.calls == []
+    assert result["step"] == 2 and json.loads((root / "eval.json").read_text()) == result
+    assert record["step"] == 2 and record["target_workdir"] == "../../target"
+    assert [r["step"] for r in read_metrics(root / "metrics.jsonl")] == [1, 2, 2]
+    assert not (root / "drafter.json.tmp").exists() and jax.tree.leaves(params)
+
+
+def test_a_drafter_record_on_a_gs_workdir(gcs):
+    """drafter.json on gs://: written whole (no append, no rename), read back and checked;
+    a target in the same bucket is recorded relative to it, one elsewhere as its URL."""
+    from v41jax.dspark.train.config import DrafterRunConfig
+    from v41jax.dspark.train.record import (
+        check_record,
+        recorded_target,
+        relative_to_workdir,
+        write_record,
+    )
+    from v41jax.train.run import Run
+
+    run = Run("gs://bucket/run", keep_checkpoints=1)
+    target = relative_to_workdir("gs://bucket/models/target", run.path)
+    assert target == "../models/target"
+    config = config_lib.to_dict(DrafterRunConfig())
+    record = {"config": config, "target_workdir": target, "target_step": 6}
+    record |= {"target_identity": "abc", "init_from": None}
+    assert not check_record(run, record)  # a new run
+    write_record(run, record)
+    text = (gcs / "drafter.json").read_text()
+    assert text == json.dumps(record, indent=2, sort_keys=True)
+    assert check_record(run, record)  # resumable
+    assert recorded_target(run.path, record) == "gs://bucket/models/target"
+    with pytest.raises(ValueError, match="train.lr"):
+        changed = config_lib.override(DrafterRunConfig(), ["train.lr=0.1"])
+        check_record(run, {**record, "config": config_lib.to_dict(changed)})
+    assert relative_to_workdir("/data/target", run.path) == "/data/target"
+    run.write_eval({"step": 6})
+    assert run.read_eval() == {"step": 6}

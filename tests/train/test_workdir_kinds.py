@@ -17,8 +17,8 @@ import pytest
 from v41jax import config as config_lib
 from v41jax.__main__ import main
 from v41jax.data import write_token_dir
-from v41jax.dspark.config import DrafterRunConfig
-from v41jax.dspark.train import train_drafter
+from v41jax.dspark.train.config import DrafterRunConfig
+from v41jax.dspark.train.loop import train_drafter
 from v41jax.hf.workdir import export_hf, import_hf
 from v41jax.sweep import RunSpec, record_setting, write_report
 from v41jax.sweep.driver import write_result

@@ -11,7 +11,7 @@ tools can build, check and print configs cheaply. Modules:
   schema  the dataclass tree (`Config` ... `GenerateConfig`) and `validate`
   engram  `EngramConfig` (the feature package `v41jax.engram` re-exports it)
   mhc     `MHCConfig` (re-exported by `v41jax.mhc`)
-  text    `to_dict` / `from_dict` / `diff` / JSON files / `override`
+  text    `to_dict` / `from_dict` / `diff` / JSON files / `override` / `inline`
   named   `named_configs` / `get_config`
 """
 
@@ -37,6 +37,7 @@ from v41jax.config.schema import (
 from v41jax.config.text import (
     diff,
     from_dict,
+    inline,
     load_json,
     override,
     parse_json,
@@ -69,6 +70,7 @@ __all__ = [
     "diff",
     "from_dict",
     "get_config",
+    "inline",
     "load_json",
     "named_configs",
     "override",

@@ -20,10 +20,31 @@ from typing import Any
 from v41jax.config.schema import Config, ModelConfig
 
 
+def inline(default_factory: Any, names: tuple[str, ...]) -> Any:
+    """A field holding a sub-config of which only `names` are settings of the parent: they
+    read and write as the parent's own keys (`to_dict`, `from_dict`, `override`, `diff`: a
+    drafter's `train.lr` is its `train.optim.lr`), and the sub-config's other fields keep
+    `default_factory()`'s values. So a config composes another's fields without declaring
+    them again, and its JSON stays flat."""
+    return dataclasses.field(default_factory=default_factory, metadata={"inline": tuple(names)})
+
+
+def _inlined(f: dataclasses.Field) -> tuple[str, ...] | None:
+    return f.metadata.get("inline")
+
+
 def to_dict(cfg: Any) -> Any:
-    """Config (or any nested dataclass) -> JSON-able dict; tuples become lists."""
+    """Config (or any nested dataclass) -> JSON-able dict; tuples become lists; the settings
+    of an `inline` field are keys of the parent."""
     if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+        out = {}
+        for f in dataclasses.fields(cfg):
+            value = getattr(cfg, f.name)
+            if (names := _inlined(f)) is not None:
+                out.update({n: to_dict(getattr(value, n)) for n in names})
+            else:
+                out[f.name] = to_dict(value)
+        return out
     if isinstance(cfg, tuple | list):
         return [to_dict(v) for v in cfg]
     return cfg
@@ -41,7 +62,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
     """Inverse of `to_dict`; unknown keys are an error naming them and the valid ones."""
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    inlined = {f.name: f for f in dataclasses.fields(cls) if _inlined(f) is not None}
+    names = {f.name for f in dataclasses.fields(cls) if f.name not in inlined}
+    names |= {n for f in inlined.values() for n in _inlined(f)}
     if cls is ModelConfig and "remat" in d:  # saved before remat_policy replaced the switch
         d = {k: v for k, v in d.items() if k != "remat"} | {
             "remat_policy": d.get("remat_policy", "full" if d["remat"] else "none")
@@ -53,7 +76,14 @@ def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
             f"unknown config keys {sorted(unknown)} in {prefix or cls.__name__}; "
             f"{hint}valid: {sorted(names)}"
         )
-    return cls(**{k: _coerce(hints[k], v, f"{prefix}.{k}".lstrip(".")) for k, v in d.items()})
+    key = lambda k: f"{prefix}.{k}".lstrip(".")  # noqa: E731
+    kwargs = {}
+    for name, f in inlined.items():  # the sub-config: its defaults, then the given settings
+        sub = typing.get_type_hints(hints[name])
+        given = {n: _coerce(sub[n], d[n], key(n)) for n in _inlined(f) if n in d}
+        kwargs[name] = dataclasses.replace(f.default_factory(), **given)
+    own = {k: _coerce(hints[k], v, key(k)) for k, v in d.items() if k in hints}
+    return cls(**own, **kwargs)
 
 
 def diff(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -124,7 +154,10 @@ def _leaf_keys(cls: type, prefix: str = "") -> dict[str, Any]:
     out = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if (names := _inlined(f)) is not None:
+            sub = typing.get_type_hints(tp)
+            out.update({f"{prefix}{n}": sub[n] for n in names})
+        elif dataclasses.is_dataclass(tp):
             out.update(_leaf_keys(tp, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = tp

@@ -10,7 +10,7 @@ import numpy as np
 
 from v41jax.dspark.drafter import frozen_target
 from v41jax.dspark.engine import dspark_generate, load_or_measure_cost
-from v41jax.dspark.train import load_drafter
+from v41jax.dspark.train.load import load_drafter
 
 
 def generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed):

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import time
 
@@ -40,7 +39,6 @@ from v41jax.model.host_params import host_table_arrays
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train import run_files
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
-from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
 from v41jax.train.observe import Profiler, flops_metrics
 from v41jax.train.resume import (
@@ -49,13 +47,14 @@ from v41jax.train.resume import (
     reconcile,
     saved_config,
 )
+from v41jax.train.run import Run
 from v41jax.train.run_files import write_run_files
 from v41jax.train.runs import LoadedRun, load_run
 from v41jax.train.sparse_tables import split_tables
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
-from v41jax.train.steploop import Cadence, RunLog, run_steps
-from v41jax.train.workdir import as_path, check_local_features, write_text_atomic
+from v41jax.train.steploop import Cadence, run_steps
+from v41jax.train.workdir import as_path, check_local_features
 from v41jax.train.workdir_kind import require_kind
 from v41jax.train.workdir_lock import workdir_lock
 
@@ -237,13 +236,8 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
         jax.process_count(),
         data_sha256=data.train_sha256,  # a token dir's, from its manifest: nothing is read
     )
-    open_checkpointer = functools.partial(
-        Checkpointer,
-        workdir / "checkpoints",
-        cfg.train.keep_checkpoints,
-        asynchronous=cfg.train.async_checkpoints,
-    )
-    checkpointer = open_checkpointer() if latest is not None else None
+    run = Run(workdir, cfg.train.keep_checkpoints, asynchronous=cfg.train.async_checkpoints)
+    checkpointer = run.checkpointer() if latest is not None else None
     resumed, host, source_tables = None, None, None
     if checkpointer is not None:  # the newest checkpoint that reads (a damaged one is named
         # and set aside), restored before the run's files are written: config_changes.jsonl
@@ -268,7 +262,7 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
                 print(f"resuming {workdir} at step {start} with changes: {'; '.join(changes)}")
             print(f"resumed from {checkpointer.directory}/{start}")
     else:
-        checkpointer = checkpointer or open_checkpointer()
+        checkpointer = checkpointer or run.checkpointer()
         start, state = 0, init_fn(cfg.train.seed)
         if source is not None:  # fine-tuning: another run's params, a fresh optimizer
             params = convert_layout(source.params, layer_segments(cfg.model))
@@ -298,8 +292,8 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
         step_fn = lambda state, b: train_step(state, device_batch(mesh, b))  # noqa: E731
     batches = PrefetchingBatches(iterator, prepare)
     # the trained steps' cadence (config.json as it was) finds train lines the log lacks
-    log = RunLog(workdir, start, enabled=main, tensorboard=cfg.train.tensorboard,
-                 cadence=Cadence.of((saved or cfg).train))  # fmt: skip
+    trained = Cadence.of((saved or cfg).train)
+    log = run.open_log(start, tensorboard=cfg.train.tensorboard, cadence=trained)
     profiler = Profiler(cfg.train.profile_steps if main else "", workdir / "profile")
     tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
     cadence, steps = Cadence.of(cfg.train), cfg.train.steps
@@ -350,11 +344,10 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
     if start == steps:  # nothing left to train: report the saved model
         result = {"step": steps, **evaluate(eval_step, mesh, state.params, validation())}
     checkpointer.wait()  # the final checkpoint is on disk before eval.json says done
-    if main and not result.get("stopped"):
-        write_text_atomic(workdir / "eval.json", json.dumps(result, indent=2))
+    if not result.get("stopped"):
+        run.write_eval(result)  # process 0, atomically
     batches.close()
-    checkpointer.close()
-    log.close()
+    run.close()  # the checkpointer and the log
     profiler.close()
     return result
 

@@ -139,7 +139,7 @@ def run_identity(cfg: Config) -> str:
     """A hash of what defines a run's trained function: its config less the fields a rerun
     may change (RESUMABLE_FIELDS, generate.*) and the mesh. Two workdirs with the same hash
     are the same model trained on the same data, possibly for different numbers of steps (a
-    drafter records its target's, `v41jax.dspark.train`)."""
+    drafter records its target's, `v41jax.dspark.train.record`)."""
     tree = config_lib.to_dict(cfg)
     for key, default in ADDED_MODEL_FIELDS.items():  # absent from older runs' hashes
         if tree["model"].get(key) == default:

@@ -1,5 +1,5 @@
 """The one step loop both trainers run: `train` (`v41jax.train.loop`) and `train-drafter`
-(`v41jax.dspark.train_shared`, one or several drafters against a frozen target).
+(`v41jax.dspark.train.loop`, one or several drafters against a frozen target).
 
     for s = start + 1 .. end:
         body(s)           # the step; its log line, evaluation and checkpoint when `Cadence` says
@@ -40,7 +40,8 @@ class Cadence:
 
     @classmethod
     def of(cls, train_cfg: Any) -> Cadence:
-        """From a config with these four fields (`TrainConfig`, `DrafterTrainConfig`)."""
+        """From a config with these four fields (`TrainConfig`: a run's `train`, a drafter's
+        `train.loop`)."""
         t = train_cfg
         return cls(t.steps, t.log_every, t.eval_every, t.checkpoint_every)
 

@@ -8,7 +8,7 @@ compression.npz into a drafter's folder before orbax failed on its checkpoints. 
 told apart by the files each writer leaves (first match wins; nothing is loaded but small
 JSON files, and only through `etils.epath`, so gs:// folders are read the same way):
 
-    drafter_run  drafter.json                          (`v41jax.dspark.train`)
+    drafter_run  drafter.json                          (`v41jax.dspark.train.record`)
     sweep_runs   sweep.json, or <study>/<run>/config.json or result.json below it
                                                        (`v41jax.sweep.driver`)
     token_dir    manifest.json                         (`v41jax.data.token_files`)

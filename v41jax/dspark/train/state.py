@@ -1,12 +1,13 @@
 """The drafter's train state {params, opt_state}, built with the training stack's pieces.
 
 Optimizer and schedule: `v41jax.train.optimizer.make_optimizer` on the drafter's settings
-(`drafter_optim_config`): AdamW (b1 0.9, b2 0.95), linear warmup then a cosine to 0.1 x lr
-over train.steps, global-norm clipping, one parameter group. State creation: as
-`v41jax.train.state.make_state_fns` does it, the shardings come in one step from the
-parameters' logical annotations (`sharding.tree_shardings` on the abstract boxed state, Adam's
-moments included), on the mesh the frozen target runs on; the state is created in that
-layout, and a checkpoint restores straight into it.
+(`train.optim`, `v41jax.dspark.train.config.drafter_optim`): AdamW (b1 0.9, b2 0.95), linear
+warmup then a cosine to 0.1 x lr over train.steps, global-norm clipping, one parameter
+group. State creation: as `v41jax.train.state.make_state_fns` does it, the shardings come in
+one step from the parameters' logical annotations (`sharding.tree_shardings` on the abstract
+boxed state, Adam's moments included), on the mesh the frozen target runs on; the state is
+created in that layout, and a checkpoint restores straight into it. `abstract_drafter_params`
+gives the params alone in the same shardings, for decoding (no optimizer is built).
 
 Drafter checkpoints written before this used `chain(clip, adamw)` without the one-group
 `multi_transform`: `restore_drafter_state` reads them in that structure and rewraps the same
@@ -23,31 +24,15 @@ import optax
 from flax import linen as nn
 
 from v41jax import sharding
-from v41jax.config import OptimConfig
-from v41jax.dspark.config import DrafterRunConfig, DrafterTrainConfig
 from v41jax.dspark.drafter import Drafter
+from v41jax.dspark.train.config import DrafterRunConfig
 from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.optimizer import make_optimizer
 
 
-def drafter_optim_config(t: DrafterTrainConfig) -> OptimConfig:
-    """The drafter's optimizer settings in the training stack's terms: one group (no
-    parameter groups), decay `t.weight_decay` on every parameter, floor 0.1 x lr."""
-    return OptimConfig(
-        lr=t.lr,
-        warmup_steps=t.warmup_steps,
-        min_lr_ratio=0.1,
-        b1=0.9,
-        b2=0.95,
-        weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip,
-        param_groups=(),
-    )
-
-
 def drafter_optimizer(cfg: DrafterRunConfig, params) -> optax.GradientTransformation:
     """`make_optimizer` for a drafter with `params`' tree (plain or boxed)."""
-    return make_optimizer(drafter_optim_config(cfg.train), cfg.train.steps, params)
+    return make_optimizer(cfg.train.optim, cfg.train.loop.steps, params)
 
 
 def drafter_variables(cfg: DrafterRunConfig, target_cfg, frozen, key) -> dict:
@@ -65,22 +50,39 @@ def drafter_variables(cfg: DrafterRunConfig, target_cfg, frozen, key) -> dict:
     )
 
 
+def _placed(boxed_abstract, mesh):
+    """(shardings from the logical annotations of a boxed abstract tree, the unboxed tree
+    as ShapeDtypeStructs carrying them)."""
+    shardings = sharding.tree_shardings(mesh, boxed_abstract)
+    abstract = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        nn.unbox(boxed_abstract),
+        shardings,
+    )
+    return shardings, abstract
+
+
+def _boxed_params(cfg: DrafterRunConfig, target_cfg, frozen):
+    key = jax.random.key(0)
+    return jax.eval_shape(lambda: drafter_variables(cfg, target_cfg, frozen, key)["params"])
+
+
+def abstract_drafter_params(cfg: DrafterRunConfig, target_cfg, frozen, mesh):
+    """The drafter's params as ShapeDtypeStructs in their shardings on `mesh` (those of
+    `drafter_state_fns`' state), for a params-only restore: no optimizer is built."""
+    return _placed(_boxed_params(cfg, target_cfg, frozen), mesh)[1]
+
+
 def drafter_state_fns(cfg: DrafterRunConfig, target_cfg, frozen, mesh):
     """(optimizer, new_state(params) -> state, state_shardings, abstract_state).
 
     new_state places `params` (a plain tree) and a fresh optimizer state in the shardings
     on `mesh`; abstract_state holds ShapeDtypeStructs carrying them (for restore)."""
-    key = jax.random.key(0)
-    boxed = jax.eval_shape(lambda: drafter_variables(cfg, target_cfg, frozen, key)["params"])
+    boxed = _boxed_params(cfg, target_cfg, frozen)
     optimizer = drafter_optimizer(cfg, nn.unbox(boxed))
     # from the BOXED params, so Adam's moments carry their parameter's logical axes
     abstract_boxed = jax.eval_shape(lambda: {"params": boxed, "opt_state": optimizer.init(boxed)})
-    shardings = sharding.tree_shardings(mesh, abstract_boxed)
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        nn.unbox(abstract_boxed),
-        shardings,
-    )
+    shardings, abstract = _placed(abstract_boxed, mesh)
     new_state = jax.jit(
         lambda params: {"params": params, "opt_state": optimizer.init(params)},
         out_shardings=shardings,
@@ -99,7 +101,7 @@ def _has_key(tree: Any, name: str) -> bool:
 def _legacy_opt_structure(cfg: DrafterRunConfig, params_abstract):
     """The tree structure of the optimizer state drafter checkpoints had before
     `drafter_optimizer`: chain(clip (if on), adamw), no multi_transform."""
-    t = cfg.train
+    t = cfg.train.optim
     chain = [optax.clip_by_global_norm(t.grad_clip)] if t.grad_clip > 0 else []
     lr = optax.constant_schedule(0.0)  # a schedule, as it was: its count is in the state
     chain.append(optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=t.weight_decay))

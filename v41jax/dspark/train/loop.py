@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import os
 import time
 
@@ -25,35 +24,40 @@ import jax.numpy as jnp
 import numpy as np
 from flax import linen as nn
 
-from v41jax import config as config_lib
 from v41jax.data import BatchIterator, eval_batches, load_data
-from v41jax.dspark import train as T
-from v41jax.dspark.config import DrafterRunConfig
 from v41jax.dspark.drafter import frozen_target
-from v41jax.dspark.objective import target_features
-from v41jax.dspark.train_state import drafter_state_fns, restore_drafter_state
+from v41jax.dspark.train import step as S
+from v41jax.dspark.train.config import DrafterRunConfig, DrafterTrainConfig
+from v41jax.dspark.train.load import load_drafter
+from v41jax.dspark.train.objective import target_features
+from v41jax.dspark.train.record import check_record, load_record, make_record, write_record
+from v41jax.dspark.train.state import drafter_state_fns, restore_drafter_state
 from v41jax.sharding import batch_shards
-from v41jax.train import load_run, run_identity
+from v41jax.train import load_run
 from v41jax.train.batches import add_engram_ids
-from v41jax.train.checkpoint import Checkpointer
+from v41jax.train.run import Run
 from v41jax.train.step import device_batch
 from v41jax.train.steploop import Cadence, RunLog, run_steps
 from v41jax.train.workdir_kind import require_kind
 from v41jax.train.workdir_lock import workdir_lock
 
-# What fixes the batch and anchors: drafters sharing a target pass must agree on these.
-SHARED_FIELDS = ("seed", "batch_size", "anchors_per_seq", "data_paths")
+
+def batch_settings(t: DrafterTrainConfig) -> dict:
+    """What fixes the batch and anchors (by `train.*` key): drafters sharing a target pass
+    must agree on these."""
+    keys = ("batch_size", "anchors_per_seq", "data_paths")
+    return {"seed": t.loop.seed, **{k: getattr(t, k) for k in keys}}
 
 
 @dataclasses.dataclass
-class _Run:
-    """One drafter's run: its config, workdir, state and writers."""
+class _DrafterRun:
+    """One drafter's run: its config, workdir (`Run`: checkpoints, log, eval.json), state."""
 
     cfg: DrafterRunConfig
-    workdir: str
+    workdir: str | os.PathLike  # as the caller named it: the key of its result
+    run: Run
     state: dict
     update: object
-    ckpt: Checkpointer
     log: RunLog
     start: int
     result: dict
@@ -62,15 +66,15 @@ class _Run:
 
     def takes(self, step: int) -> bool:
         """Whether this run takes step `step` (1-based): resumed before it, not yet done."""
-        return self.start < step <= self.cfg.train.steps
+        return self.start < step <= self.cfg.train.loop.steps
 
 
 def _check_shared(cfgs: dict[str, DrafterRunConfig], target_layers: int) -> tuple:
     first = next(iter(cfgs.values()))
     for workdir, cfg in cfgs.items():
-        for name in SHARED_FIELDS:
-            a, b = getattr(cfg.train, name), getattr(first.train, name)
-            if a != b:
+        ours, theirs = batch_settings(cfg.train), batch_settings(first.train)
+        for name, a in ours.items():
+            if a != (b := theirs[name]):
                 raise ValueError(
                     f"drafters sharing a target pass must agree on train.{name}: {workdir} has "
                     f"{a!r}, another {b!r}"
@@ -79,45 +83,56 @@ def _check_shared(cfgs: dict[str, DrafterRunConfig], target_layers: int) -> tupl
     return first.train, tuple(layers)
 
 
-def _record(cfg, workdir, target, target_workdir, init_from) -> dict:
-    return {
-        "config": config_lib.to_dict(cfg),
-        "target_workdir": T.relative_to_workdir(target_workdir, workdir),
-        "target_step": int(target.step),
-        "target_identity": run_identity(target.cfg),
-        "init_from": T.relative_to_workdir(init_from, workdir) if init_from else None,
-    }
-
-
-def _open_run(cfg, workdir, target, record, resuming, init_from, frozen) -> _Run | None:
-    """Open (or resume) one drafter's run, its record checked; None when it has finished."""
+def _open_run(cfg, workdir, run: Run, target, record, resuming, init_from, frozen):
+    """Open (or resume) one drafter's run (a `_DrafterRun`), its record checked; None when it
+    has finished."""
     tcfg = target.cfg
-    if not resuming or record["target_workdir"] != T.load_record(workdir)["target_workdir"]:
-        T.write_record(workdir, record)  # a new run, or its target moved (identity checked)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.train.keep_checkpoints)
+    if not resuming or record["target_workdir"] != load_record(run)["target_workdir"]:
+        write_record(run, record)  # a new run, or its target moved (identity checked)
+    ckpt = run.checkpointer()
     start = ckpt.latest_step() or 0
-    if start >= cfg.train.steps and os.path.exists(os.path.join(workdir, "eval.json")):
-        ckpt.close()
+    if start >= cfg.train.loop.steps and run.has("eval.json"):
+        run.close()
         return None
     opt, new_state, shardings, abstract = drafter_state_fns(cfg, tcfg.model, frozen, target.mesh)
-    update = T.make_update(cfg, tcfg.model, opt, shardings, target.mesh)
+    update = S.make_update(cfg, tcfg.model, opt, shardings, target.mesh)
     data_state = None
     if start:  # the newest checkpoint that reads: a damaged one is named and set aside
         start, (state, data_state) = ckpt.restore_newest_intact(
             lambda s: restore_drafter_state(ckpt, s, abstract, cfg),
             set_aside=True,
-            quiet=jax.process_index() != 0,
+            quiet=not run.writes,
         )
     elif init_from:
-        state = new_state(T.load_drafter(init_from, target=target, check=False)[1])
+        state = new_state(load_drafter(init_from, target=target, check=False)[1])
     else:
-        state = new_state(T.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.seed))
+        state = new_state(S.init_drafter_params(cfg, tcfg.model, frozen, cfg.train.loop.seed))
     # the cadence the trained steps ran under (a resume keeps drafter.json's settings: the
     # run's own) finds the train lines a damaged log lacks, as `train` does
-    cadence = Cadence.of(cfg.train)
-    log = RunLog(workdir, start, enabled=jax.process_index() == 0, cadence=cadence)
-    return _Run(cfg, workdir, state, update, ckpt, log, start, {"step": start}, data_state,
-                cadence)  # fmt: skip
+    cadence = Cadence.of(cfg.train.loop)
+    log = run.open_log(start, cadence=cadence)
+    return _DrafterRun(
+        cfg, workdir, run, state, update, log, start, {"step": start}, data_state, cadence
+    )
+
+
+def train_drafter(
+    cfg: DrafterRunConfig,
+    target_workdir: str | os.PathLike,
+    workdir: str | os.PathLike,
+    *,
+    init_from: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train (or resume) the drafter in `workdir` against the target in `target_workdir`:
+    `train_drafters` with this one drafter (one loop for one or many).
+
+    Every check runs before the first write, so a refused command (missing target, other
+    settings, bad layer ids) leaves `workdir` as it was (not even created)."""
+    init = {workdir: init_from} if init_from else None
+    return train_drafters({workdir: cfg}, target_workdir, init_from=init, progress=progress)[
+        workdir
+    ]
 
 
 def train_drafters(
@@ -156,14 +171,17 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
     tcfg = target.cfg
     shared, layers = _check_shared(cfgs, tcfg.model.num_layers)
     frozen = frozen_target(target.params, tcfg.model)
-    records = {w: _record(c, w, target, target_workdir, init_from.get(w)) for w, c in cfgs.items()}
-    resuming = {w: T.check_record(w, r) for w, r in records.items()}  # all before any write
+    files = {w: Run(w, c.train.loop.keep_checkpoints) for w, c in cfgs.items()}
+    records = {
+        w: make_record(c, w, target, target_workdir, init_from.get(w)) for w, c in cfgs.items()
+    }
+    resuming = {w: check_record(files[w], r) for w, r in records.items()}  # all before any write
     results, runs = {}, []
     for workdir, cfg in cfgs.items():
-        run = _open_run(cfg, workdir, target, records[workdir], resuming[workdir],
-                        init_from.get(workdir), frozen)  # fmt: skip
+        run = _open_run(cfg, workdir, files[workdir], target, records[workdir],
+                        resuming[workdir], init_from.get(workdir), frozen)  # fmt: skip
         if run is None:
-            results[workdir] = config_lib.read_json(os.path.join(workdir, "eval.json"))
+            results[workdir] = files[workdir].read_eval()
         else:
             runs.append(run)
     if not runs:
@@ -180,7 +198,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
         )
     pi, pc = jax.process_index(), jax.process_count()
     it = BatchIterator(
-        data.train_tokens, data.train_segments, seq_len, shared.batch_size, shared.seed, pi, pc
+        data.train_tokens, data.train_segments, seq_len, shared.batch_size, shared.loop.seed, pi, pc
     )
     rows = slice(pi * it.per_process_batch_size, (pi + 1) * it.per_process_batch_size)
     for r in runs:
@@ -188,20 +206,20 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
             it.restore(r.data_state)  # refuses data that changed under a resumed run
     prepare = lambda b: device_batch(mesh, add_engram_ids(b, data.compression, tcfg.model))
     val_sets: dict[int, list] = {}
-    for n in {r.cfg.train.eval_batches for r in runs}:  # too little held-out text fails now,
+    for n in {r.cfg.train.loop.eval_batches for r in runs}:  # too little held-out text fails now,
         raw = eval_batches(
             data.val_tokens, data.val_segments, seq_len, shared.batch_size, n, pi, pc
         )
         val_sets[n] = [prepare(b) for b in raw]  # not after the last step
 
-    def evaluate(r: _Run) -> dict:
+    def evaluate(r: _DrafterRun) -> dict:
         ids = r.cfg.drafter.layer_ids_for(tcfg.model.num_layers)
-        val = val_sets[r.cfg.train.eval_batches]
-        return T.evaluate_drafter(r.cfg, target, frozen, r.state["params"], val, ids)
+        val = val_sets[r.cfg.train.loop.eval_batches]
+        return S.evaluate_drafter(r.cfg, target, frozen, r.state["params"], val, ids)
 
     target_params = nn.unbox(target.params)
     features = jax.jit(functools.partial(target_features, target_cfg=tcfg.model, layer_ids=layers))
-    start, end = min(r.start for r in runs), max(r.cfg.train.steps for r in runs)
+    start, end = min(r.start for r in runs), max(r.cfg.train.loop.steps for r in runs)
     n, t0 = shared.anchors_per_seq, time.perf_counter()
 
     def body(done: int, bar) -> None:  # step `done` (1-based): batch and anchors of done - 1
@@ -209,7 +227,7 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
         if not todo:  # every run is further along (resumed at different steps)
             return
         # the anchors of this process's rows, sharded like the batch
-        anchors = T.anchors_at(shared.seed, done - 1, shared.batch_size, seq_len, n)[rows]
+        anchors = S.anchors_at(shared.loop.seed, done - 1, shared.batch_size, seq_len, n)[rows]
         batch = prepare({**it.batch_at(done - 1), "anchors": anchors.astype(np.int32)})
         anchors = batch.pop("anchors")
         feats, logits = features(target_params, batch=batch)
@@ -218,32 +236,30 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
             mine = _select(feats, layers, r.cfg.drafter.layer_ids_for(tcfg.model.num_layers))
             r.state, metrics = r.update(r.state, frozen, mine, logits, batch, anchors)
             if r.cadence.logs(done):
-                rec = {"step": done, **T.flat_metrics(metrics), "wall_s": time.perf_counter() - t0}
+                rec = {"step": done, **S.flat_metrics(metrics), "wall_s": time.perf_counter() - t0}
                 r.log(rec)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{rec['accept_1']:.2f}")
             if r.cadence.evaluates(done):
                 r.result = {"step": done, **evaluate(r)}
                 r.log(r.result)
             if r.cadence.saves(done):
-                r.ckpt.save(done, r.state, it.state())
+                r.run.checkpointer().save(done, r.state, it.state())
 
     def on_stop(done: int) -> None:  # every run that took this step saves it
         for r in runs:
             if r.takes(done):
-                r.ckpt.save(done, r.state, it.state())
-            if max(done, r.start) < r.cfg.train.steps:  # not finished: no eval.json
+                r.run.checkpointer().save(done, r.state, it.state())
+            if max(done, r.start) < r.cfg.train.loop.steps:  # not finished: no eval.json
                 r.result = {"step": max(done, r.start), "stopped": True}
 
     if run_steps(start, end, body, on_stop, desc="drafters", progress=progress) is None:
         for r in runs:  # killed after its last checkpoint, before its eval.json
-            if r.start == r.cfg.train.steps:
+            if r.start == r.cfg.train.loop.steps:
                 r.result = {"step": r.start, **evaluate(r)}
     for r in runs:
-        r.ckpt.close()
-        r.log.close()
-        if not r.result.get("stopped") and jax.process_index() == 0:
-            with open(os.path.join(r.workdir, "eval.json"), "w") as f:
-                json.dump(r.result, f, indent=2)
+        r.run.close()  # the checkpoints are on disk before eval.json says done
+        if not r.result.get("stopped"):
+            r.run.write_eval(r.result)
         results[r.workdir] = r.result
     return results
 
