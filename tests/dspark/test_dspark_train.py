@@ -242,7 +242,7 @@ def test_a_short_run_lowers_the_confidence_bce_of_either_head(target, head):
     for the "prev_token" head too (its term reads the true previous token, teacher forced)."""
     import jax.numpy as jnp
 
-    from v41jax.dspark.drafter import frozen_target
+    from v41jax.dspark.model.drafter import frozen_target
     from v41jax.dspark.objective import eval_metrics
     from v41jax.dspark.train import init_drafter_params, make_train_step
 
@@ -293,7 +293,7 @@ def test_a_checkpoint_of_the_earlier_optimizer_structure_resumes_exactly(target,
     """Drafter checkpoints written with chain(clip, adamw) (before the drafter used the
     training stack's optimizer) are read and rewrapped: resuming from such a step-4 checkpoint
     ends on the uninterrupted run's params, so no moment was lost or swapped."""
-    from v41jax.dspark.drafter import frozen_target
+    from v41jax.dspark.model.drafter import frozen_target
     from v41jax.dspark.train import load_drafter_config
     from v41jax.dspark.train_state import _legacy_opt_structure, drafter_state_fns
     from v41jax.train.checkpoint import Checkpointer

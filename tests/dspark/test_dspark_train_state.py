@@ -9,7 +9,7 @@ from v41jax import config as config_lib
 from v41jax import sharding
 from v41jax.config import MeshConfig
 from v41jax.dspark.config import DrafterRunConfig
-from v41jax.dspark.drafter import frozen_target
+from v41jax.dspark.model.drafter import frozen_target
 from v41jax.dspark.train import init_drafter_params
 from v41jax.dspark.train_state import drafter_optim_config, drafter_optimizer, drafter_state_fns
 from v41jax.train.optimizer import lr_schedule

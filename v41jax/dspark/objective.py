@@ -32,8 +32,8 @@ import numpy as np
 
 from v41jax.config import ModelConfig
 from v41jax.dspark.config import DrafterConfig, DrafterTrainConfig
-from v41jax.dspark.drafter import Drafter, FrozenTarget, confidence_logits, previous_tokens
-from v41jax.dspark.markov import teacher_forced_logits
+from v41jax.dspark.model.drafter import Drafter, FrozenTarget, confidence_logits, previous_tokens
+from v41jax.dspark.model.markov import teacher_forced_logits
 from v41jax.model.transformer import Transformer
 
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from v41jax.dspark.admission import first_width
-from v41jax.dspark.analysis import check_log
-from v41jax.dspark.rounds import ENGINE_BASIS
-from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
+from v41jax.dspark.analysis.round_logs import check_log
+from v41jax.dspark.decode.admission import first_width
+from v41jax.dspark.decode.rounds import ENGINE_BASIS
+from v41jax.dspark.decode.scheduler import CostTable, schedule_verify_lengths
 
 
 def stack_rounds(logs) -> dict[str, np.ndarray]:

@@ -40,7 +40,7 @@ from flax import linen as nn
 from v41jax import config as config_lib
 from v41jax import sharding
 from v41jax.dspark.config import DrafterRunConfig, override_run_config
-from v41jax.dspark.drafter import frozen_target
+from v41jax.dspark.model.drafter import frozen_target
 from v41jax.dspark.objective import drafter_loss, eval_metrics, sample_anchors, target_features
 from v41jax.dspark.train_state import (
     drafter_optimizer,

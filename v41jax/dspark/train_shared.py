@@ -29,7 +29,7 @@ from v41jax import config as config_lib
 from v41jax.data import BatchIterator, eval_batches, load_data
 from v41jax.dspark import train as T
 from v41jax.dspark.config import DrafterRunConfig
-from v41jax.dspark.drafter import frozen_target
+from v41jax.dspark.model.drafter import frozen_target
 from v41jax.dspark.objective import target_features
 from v41jax.dspark.train_state import drafter_state_fns, restore_drafter_state
 from v41jax.sharding import batch_shards

@@ -25,7 +25,7 @@ from flax import linen as nn
 from v41jax import sharding
 from v41jax.config import OptimConfig
 from v41jax.dspark.config import DrafterRunConfig, DrafterTrainConfig
-from v41jax.dspark.drafter import Drafter
+from v41jax.dspark.model.drafter import Drafter
 from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.optimizer import make_optimizer
 
