@@ -55,4 +55,4 @@ if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
 fi
 # v41jax from this checkout, whether or not it is installed in that Python.
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-exec "$py" -m v41jax.bench.device_check --python-reason "$why" "$@"
+exec "$py" "$ROOT/scripts/device_check.py" --python-reason "$why" "$@"

@@ -22,6 +22,7 @@ LAYERS = [
     "mhc",
     "speculative",
     "model",
+    "decode",
     "train",
     "hf",
     "dspark",

@@ -5,8 +5,10 @@ stage without running one. The driver's pieces (benchmark flags, wheel choice, t
 timeout, the report) are tested with stand-in commands, so nothing here needs a GPU/TPU.
 """
 
+import importlib.util
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -14,9 +16,23 @@ import time
 
 import pytest
 
-from v41jax.bench import device_check as dc
-from v41jax.bench import device_env
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 
+
+def _script_module(name: str):
+    """scripts/<name>.py imported as the script sees it: by its bare name (device_check
+    imports `device_env` from its own folder)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+device_env = _script_module("device_env")
+dc = _script_module("device_check")
 SCRIPT = os.path.join(device_env.ROOT, "scripts", "device_check.sh")
 STAGES = [
     "kernel_tests", "train", "bench_mhc", "bench_engram", "bench_verify", "bench_attention",

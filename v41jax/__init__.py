@@ -1,9 +1,9 @@
 """v41jax: Engram, mHC and exact speculative decoding in JAX/Flax.
 
 Subpackages import one way, each only from those before it (tests/test_architecture.py):
-ops -> config, sharding -> data -> kernels -> engram -> mhc -> speculative -> model -> train ->
-hf -> dspark -> sweep -> bench. `ops` holds the shared numerical primitives; `config` is plain
-Python (no jax), so `import v41jax.config` stays cheap.
+ops -> config, sharding -> data -> kernels -> engram -> mhc -> speculative -> model -> decode ->
+train -> hf -> dspark -> sweep -> bench. `ops` holds the shared numerical primitives; `config`
+is plain Python (no jax), so `import v41jax.config` stays cheap.
 
 The public API below (`__all__`) is lazy: `v41jax.Engram`, `v41jax.speculative_sample`, ...
 import their subpackage on first access (a module-level `__getattr__`), so `import v41jax`
@@ -51,9 +51,11 @@ _EXPORTS = {
     # the backbone
     "Transformer": "model",
     "init_params": "model",
-    "generate": "model",
-    "speculative_generate": "model",
-    "sampling_probs": "model",
+    # decoding
+    "SamplingParams": "decode",
+    "generate": "decode",
+    "speculative_generate": "decode",
+    "sampling_probs": "decode",
     # training and runs (the `train` function stays `v41jax.train.train`: the name is taken
     # by the subpackage)
     "load_run": "train",

@@ -93,7 +93,7 @@ def cmd_generate(args) -> int:
     import jax
     import numpy as np
 
-    from v41jax.model import generate
+    from v41jax.decode import SamplingParams, generate
     from v41jax.train import load_run
 
     run = load_run(args.workdir)
@@ -112,11 +112,11 @@ def cmd_generate(args) -> int:
     padded = np.zeros((len(encoded), int(lengths.max())), np.int32)
     for i, e in enumerate(encoded):
         padded[i, : len(e)] = e
-    knobs = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if args.drafter:
         from v41jax.dspark.cli import generate_with_drafter
 
-        out = generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed)
+        out = generate_with_drafter(args, run, padded, lengths, max_new, sampling, seed)
     else:
         out = generate(
             run.params,
@@ -127,7 +127,7 @@ def cmd_generate(args) -> int:
             rng=jax.random.PRNGKey(seed),
             eos_id=run.tokenizer.eos_id,
             compression=run.compression.table,
-            **knobs,
+            sampling=sampling,
         )
     for prompt, row in zip(prompts, np.asarray(out), strict=True):
         ids = [int(t) for t in row]

@@ -56,7 +56,7 @@ SELF_TEXT_ABLATIONS = (
     "dspark_ctx_s300",
     "dspark_k7_s300",
 )
-# The target's own text (`v41jax.dspark.self_text.write_target_samples`): continuations of
+# The target's own text (`v41jax.dspark.train.self_text.write_target_samples`): continuations of
 # 16-token windows of its training text at temperature 1, ~490k new tokens.
 SELF_TEXT = dict(num_samples=2048, prompt_len=16, new_tokens=240, temperature=1.0, batch_size=64)
 DRAFTER_COMMON = ["train.eval_every=0", "train.log_every=25"]

@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from v41jax.dspark import analysis as A
+from v41jax.dspark.analysis import round_logs as A
 
 
 def _best(rows, **match):

@@ -42,7 +42,7 @@ def target_config(early_dir: str) -> Config:
     return dataclasses.replace(cfg, name="dspark_deep_target")
 
 
-# The target's own text (`v41jax.dspark.self_text.write_target_samples`): continuations of
+# The target's own text (`v41jax.dspark.train.self_text.write_target_samples`): continuations of
 # 16-token windows of its training text at temperature 1 (~115k new tokens).
 SELF_TEXT = dict(num_samples=1024, prompt_len=16, new_tokens=112, temperature=1.0, batch_size=128)
 # name -> `--set` overrides of DrafterRunConfig (defaults: DSpark, K = 5, 3 blocks, r = 32,

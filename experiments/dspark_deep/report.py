@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from v41jax.dspark import analysis as A
+from v41jax.dspark.analysis import round_logs as A
 
 
 def _row(rows, **match):

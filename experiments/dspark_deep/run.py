@@ -36,14 +36,14 @@ from report import write_report  # noqa: E402
 
 from v41jax.bench.common import machine_info  # noqa: E402
 from v41jax.data.corpus import split_speeches_by_year  # noqa: E402
-from v41jax.dspark import analysis as A  # noqa: E402
-from v41jax.dspark.engine import load_or_measure_cost, load_or_measure_draft_cost  # noqa: E402
-from v41jax.dspark.self_text import write_target_samples  # noqa: E402
-from v41jax.dspark.study import Decoder, drafter_stats, time_interleaved, val_prompts  # noqa: E402
+from v41jax.dspark.analysis import round_logs as A  # noqa: E402
+from v41jax.dspark.analysis.study import Decoder, drafter_stats, time_interleaved, val_prompts  # noqa: E402
+from v41jax.dspark.decode.engine import load_or_measure_cost, load_or_measure_draft_cost  # noqa: E402
 from v41jax.dspark.train.config import DrafterRunConfig, override_run_config  # noqa: E402
 from v41jax.dspark.train.load import load_drafter  # noqa: E402
 from v41jax.dspark.train.loop import train_drafters  # noqa: E402
 from v41jax.dspark.train.replay import replay_policies, stack_rounds  # noqa: E402
+from v41jax.dspark.train.self_text import write_target_samples  # noqa: E402
 from v41jax.sweep import experiment_dirs  # noqa: E402
 from v41jax.train import load_run, train  # noqa: E402
 

@@ -35,9 +35,9 @@ sys.path.insert(0, HERE)
 import config as C  # noqa: E402
 import report  # noqa: E402
 
+from v41jax.decode import generate  # noqa: E402
 from v41jax.engram import table_optim  # noqa: E402
 from v41jax.engram.primes import stored_table_rows  # noqa: E402
-from v41jax.model import generate  # noqa: E402
 from v41jax.sharding import make_mesh  # noqa: E402
 from v41jax.sweep import experiment_dirs, record_setting  # noqa: E402
 from v41jax.train import load_run, train  # noqa: E402

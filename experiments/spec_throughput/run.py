@@ -36,8 +36,8 @@ import config as C  # noqa: E402
 
 from v41jax.bench.common import time_call  # noqa: E402
 from v41jax.data import load_data  # noqa: E402
-from v41jax.model import generate, sampling_probs, speculative_generate  # noqa: E402
-from v41jax.model.speculative import extend  # noqa: E402
+from v41jax.decode import SamplingParams, generate, sampling_probs, speculative_generate  # noqa: E402
+from v41jax.decode.speculative import extend  # noqa: E402
 from v41jax.speculative import (  # noqa: E402
     expected_tokens_per_round,
     speculative_sample,
@@ -149,7 +149,7 @@ def step_costs(run, b: int, t_max: int, temperature: float, repeats: int, steps:
             def body(kv, i):
                 start = jnp.full((b,), 64, jnp.int32) + i * t
                 logits, kv = extend(params, cfg, kv, history, start, t)
-                return kv, sampling_probs(logits, temperature=temperature)[:, 0, 0]
+                return kv, sampling_probs(logits, SamplingParams(temperature))[:, 0, 0]
 
             return jax.lax.scan(body, kv, jnp.arange(steps))[1]
 
@@ -186,7 +186,7 @@ def real_run(runs_dir: str, steps: int | None) -> dict:
     for temperature in C.TEMPERATURES:
         costs_t = step_costs(target, b, t_max, temperature, C.TIMING_REPEATS)
         costs_d = step_costs(drafter, b, 1, temperature, C.TIMING_REPEATS)
-        common = dict(max_new_tokens=C.NEW_TOKENS, temperature=temperature)
+        common = dict(max_new_tokens=C.NEW_TOKENS, sampling=SamplingParams(temperature))
 
         def plain(common=common):
             return generate(target.params, target.cfg.model, prompts, lengths, **common)

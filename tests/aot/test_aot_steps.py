@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import pytest
 
 from v41jax import config as config_lib
+from v41jax.decode import DecodeState, decode_step, init_cache, prefill
 from v41jax.kernels import aot
-from v41jax.model import DecodeState, decode_step, init_cache, prefill
 from v41jax.sharding import make_mesh
 from v41jax.train.plan import planned_config
 from v41jax.train.plan_target import TARGET_CHIPS, compile_step_on_devices

@@ -1,4 +1,5 @@
-"""Analysis of DSpark round logs (v41jax/dspark/analysis.py) on synthetic logs with known answers.
+"""Analysis of DSpark round logs (v41jax/dspark/analysis/round_logs.py) on synthetic logs with
+known answers.
 
 Rounds are simulated from known conditional acceptance rates p[r, b, j]: draft j is accepted
 with probability p_j given drafts < j were, and A = the accepted prefix within L drafts. So
@@ -11,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from v41jax.dspark.analysis import (
+from v41jax.dspark.analysis.round_logs import (
     acceptance_per_position,
     calibration,
     markdown_table,

@@ -13,8 +13,9 @@ from flax import traverse_util
 from scipy import stats
 
 from v41jax.config import ModelConfig
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import (
+from v41jax.decode.sampling import SamplingParams, sampling_probs
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.drafter import (
     Drafter,
     DrafterOutput,
     FrozenTarget,
@@ -22,8 +23,7 @@ from v41jax.dspark.drafter import (
     frozen_target,
     previous_tokens,
 )
-from v41jax.dspark.markov import markov_bias, markov_draft, teacher_forced_logits
-from v41jax.model.sampling import sampling_probs
+from v41jax.dspark.model.markov import markov_bias, markov_draft, teacher_forced_logits
 from v41jax.model.transformer import init_params
 
 V, D = 301, 32
@@ -256,7 +256,7 @@ def test_markov_draft_q_is_the_sampled_law(with_markov):
     base = jnp.asarray(np.random.default_rng(0).normal(size=(b, k, v)), jnp.float32)
     anchors = jnp.arange(b, dtype=jnp.int32) % v
     mp = _markov(v, 3, 1.0, 1) if with_markov else None
-    probs_fn = functools.partial(sampling_probs, temperature=0.7, top_k=4)
+    probs_fn = functools.partial(sampling_probs, sampling=SamplingParams(temperature=0.7, top_k=4))
     drafts, q = jax.jit(markov_draft, static_argnums=4)(
         jax.random.key(5), base, anchors, mp, probs_fn
     )
@@ -273,7 +273,7 @@ def test_markov_draft_greedy_is_argmax_chain():
     base = np.random.default_rng(2).normal(size=(b, k, v)).astype(np.float32)
     anchors = np.arange(b) % v
     mp = _markov(v, 2, 1.5, 3)
-    probs_fn = functools.partial(sampling_probs, temperature=0.0)
+    probs_fn = functools.partial(sampling_probs, sampling=SamplingParams(0.0))
     drafts, q = markov_draft(
         jax.random.key(0), jnp.asarray(base), jnp.asarray(anchors), mp, probs_fn
     )
@@ -295,7 +295,7 @@ def test_markov_draft_joint_law_g_test():
     mp = _markov(v, 2, 0.8, 4)
     anchor = 2
     base = jnp.broadcast_to(jnp.asarray(base_kv), (rows, 2, v))
-    probs_fn = functools.partial(sampling_probs, temperature=1.0)
+    probs_fn = functools.partial(sampling_probs, sampling=SamplingParams(1.0))
     drafts, _ = jax.jit(markov_draft, static_argnums=4)(
         jax.random.key(11), base, jnp.full((rows,), anchor, jnp.int32), mp, probs_fn
     )

@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 
 from v41jax.config import ModelConfig
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import Drafter, frozen_target
-from v41jax.dspark.engine import dspark_generate
-from v41jax.dspark.scheduler import CostTable
-from v41jax.model import generate, init_params
+from v41jax.decode import SamplingParams, generate
+from v41jax.dspark.decode.engine import dspark_generate
+from v41jax.dspark.decode.scheduler import CostTable
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.drafter import Drafter, frozen_target
+from v41jax.model import init_params
 
 TARGET = ModelConfig(
     vocab_size=16,
@@ -32,6 +33,7 @@ TARGET = ModelConfig(
 # A staircase: verifying up to 2 tokens per row costs the same, then the price jumps.
 STAIRS = CostTable(tokens=(8, 16, 24, 32, 40, 48), seconds=(1.0, 1.0, 2.0, 2.0, 3.0, 3.0))
 N = 20  # new tokens of most tests
+T1 = SamplingParams(temperature=1.0)  # sampled, not greedy
 
 
 def drafter_cfg(**kw):
@@ -107,7 +109,7 @@ def test_host_loop_matches_device_loop():
     toks, lens = prompts(5, seed=5)
     run = functools.partial(
         dspark_generate, tp, TARGET, dp, dcfg, frozen, toks, lens, max_new_tokens=N,
-        verify_len=2, temperature=1.0, rng=jax.random.key(7),
+        verify_len=2, sampling=T1, rng=jax.random.key(7),
     )  # fmt: skip
     dev, host = run(loop="device"), run(loop="host")
     for name, a, b in zip(dev._fields, dev, host, strict=True):
@@ -118,16 +120,23 @@ def test_host_loop_matches_device_loop():
 def test_scheduled_segments_match_one_round_per_call(monkeypatch):
     """The host loop runs a segment of rounds per call while the width holds; with the width
     changing, it gives the tokens and logs of one launch per round (the reference)."""
-    from v41jax.model import speculative_loops as loops
+    from v41jax.decode import loops
+    from v41jax.decode.engine import draft_step, verify_step
+
+    # One program per round and width: this round's verify, then the next round's draft.
+    @functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
+    def host_step(c, state, d, st, width: int):
+        state, d = draft_step(c, verify_step(c, state, d, st, width), st)
+        return state, d, loops.host_flags(c, state, d)
 
     tp, dp, frozen, dcfg = models()
     toks, lens = prompts(5)
     run = functools.partial(
         dspark_generate, tp, TARGET, dp, dcfg, frozen, toks, lens, max_new_tokens=N,
-        mode="scheduled", cost=STAIRS, temperature=1.0, rng=jax.random.key(3),
+        mode="scheduled", cost=STAIRS, sampling=T1, rng=jax.random.key(3),
     )  # fmt: skip
     seg = run()
-    monkeypatch.setattr(loops, "host_segment", loops.host_step)
+    monkeypatch.setattr(loops, "host_segment", host_step)
     ref = run()
     for name, a, b in zip(seg._fields, seg, ref, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
@@ -149,7 +158,7 @@ def test_scheduled_width_follows_the_cost_table(seconds, want):
     cost = CostTable(tokens=(8, 12, 16), seconds=seconds)
     out = dspark_generate(
         tp, TARGET, dp, dcfg, frozen, toks, lens, max_new_tokens=10, mode="scheduled",
-        cost=cost, temperature=1.0, rng=jax.random.key(1),
+        cost=cost, sampling=T1, rng=jax.random.key(1),
     )  # fmt: skip
     act, lens_log = np.asarray(out.active), np.asarray(out.verify_len)
     assert np.all(lens_log[act] == want)
@@ -165,7 +174,7 @@ def test_scheduled_width_follows_the_cost_table(seconds, want):
         (dict(loop="gpu"), "loop"),
         (dict(verify_len=4), "verify_len"),
         (dict(max_new_tokens=60), "max_seq_len"),
-        (dict(temperature=-1.0), "temperature"),
+        (dict(sampling=dict(temperature=-1.0)), "temperature"),
     ],
 )
 def test_bad_arguments_are_named(change, match):
@@ -173,4 +182,6 @@ def test_bad_arguments_are_named(change, match):
     toks, lens = prompts(2)
     kwargs = {"max_new_tokens": 8, **change}
     with pytest.raises(ValueError, match=match):
+        if "sampling" in kwargs:
+            kwargs["sampling"] = SamplingParams(**kwargs["sampling"])
         dspark_generate(tp, TARGET, dp, dcfg, frozen, toks, lens, **kwargs)

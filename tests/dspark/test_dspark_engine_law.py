@@ -19,16 +19,16 @@ from flax import linen as nn
 from scipy import stats
 
 from v41jax.config import EngramConfig, ModelConfig
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import Drafter, frozen_target
-from v41jax.dspark.engine import dspark_generate, measure_round_cost
-from v41jax.dspark.rounds import DSparkProposer
-from v41jax.dspark.scheduler import CostTable
-from v41jax.model import generate, init_params
-from v41jax.model import speculative_loops as loops
-from v41jax.model.sampling import sampling_knobs
-from v41jax.model.speculative import ModelProposer
-from v41jax.model.speculative_engine import Ctx, Static
+from v41jax.decode import generate, loops
+from v41jax.decode.engine import Ctx, Static
+from v41jax.decode.sampling import SamplingParams
+from v41jax.decode.speculative import ModelProposer
+from v41jax.dspark.decode.engine import dspark_generate, measure_round_cost
+from v41jax.dspark.decode.rounds import DSparkProposer
+from v41jax.dspark.decode.scheduler import CostTable
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.drafter import Drafter, frozen_target
+from v41jax.model import init_params
 
 TARGET = ModelConfig(
     vocab_size=16,
@@ -132,7 +132,7 @@ def test_sampled_output_follows_the_target_law(mode):
         max_new_tokens=3,
         mode=mode,
         cost=STAIRS,
-        temperature=1.0,
+        sampling=SamplingParams(1.0),
         rng=jax.random.key(4),
     )
     toks = np.asarray(out.tokens)
@@ -218,8 +218,7 @@ def run_engine(
         params = init_params(draft, jax.random.key(seed + 7))
         proposer = ModelProposer(draft, 3)
     lens = jnp.asarray(lens, jnp.int32)
-    knobs = sampling_knobs(temperature, 0, 1.0, 0.0)
-    c = Ctx(tp, params, knobs, None, lens + n)
+    c = Ctx(tp, params, SamplingParams(temperature).as_arrays(), None, lens + n)
     st = Static(cfg, proposer, n, policy)
     return loops.run_rounds(c, jnp.asarray(toks), lens, jax.random.key(rng), st, "host"), tp
 
@@ -307,7 +306,7 @@ def test_prev_token_head_scheduled_early_stop_greedy_and_law():
     prompt, b = np.array([1, 5, 2], np.int32), 12_000
     out = dspark_generate(
         tp, cfg, dp, dcfg, frozen, np.tile(prompt, (b, 1)), np.full((b,), 3, np.int32),
-        max_new_tokens=3, mode="scheduled", cost=STAIRS, temperature=1.0,
+        max_new_tokens=3, mode="scheduled", cost=STAIRS, sampling=SamplingParams(1.0),
         rng=jax.random.key(4),
     )  # fmt: skip
     cells = np.asarray(out.tokens)[:, 1] * 8 + np.asarray(out.tokens)[:, 2]

@@ -11,11 +11,11 @@ import pytest
 from flax import linen as nn
 
 from v41jax.config import ModelConfig
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import Drafter, frozen_target
-from v41jax.dspark.markov import markov_bias, markov_draft, teacher_forced_logits
+from v41jax.decode.sampling import SamplingParams, sampling_probs
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.drafter import Drafter, frozen_target
+from v41jax.dspark.model.markov import markov_bias, markov_draft, teacher_forced_logits
 from v41jax.model import init_params
-from v41jax.model.sampling import sampling_probs
 
 TARGET = ModelConfig(
     vocab_size=16, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=64
@@ -89,7 +89,7 @@ def test_markov_draft_q_is_the_sampled_law(temperature):
     hidden = jnp.asarray(rng.normal(size=(b, k, d)), jnp.float32)
     anchors = jnp.arange(b, dtype=jnp.int32) % v
     mp = _params(v, 3, d, 5, 2)
-    probs_fn = functools.partial(sampling_probs, temperature=temperature)
+    probs_fn = functools.partial(sampling_probs, sampling=SamplingParams(temperature))
     drafts, q = jax.jit(markov_draft, static_argnums=4)(
         jax.random.key(5), base, anchors, mp, probs_fn, hidden
     )

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
+from v41jax.dspark.decode.scheduler import CostTable, schedule_verify_lengths
 from v41jax.dspark.train.replay import oracle_widths, replay_policies, stack_rounds
 from v41jax.speculative import speculative_sample
 

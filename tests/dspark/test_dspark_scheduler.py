@@ -1,4 +1,4 @@
-"""The DSpark verify-length scheduler (v41jax/dspark/scheduler.py) and its cost table.
+"""The DSpark verify-length scheduler (v41jax/dspark/decode/scheduler.py) and its cost table.
 
 The scheduler's rule (DSpark): survivals s[b, j] = prod_{i<=j} c[b, i]; each request
 verifies at least one draft; for every budget n, tau(n) = B + sum of the n largest survivals
@@ -17,13 +17,86 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v41jax.dspark.scheduler import (
+from v41jax.dspark.decode.admission import first_width
+from v41jax.dspark.decode.scheduler import (
     BASES,
     CostTable,
     Schedule,
-    schedule_reference,
+    check_active,
+    check_schedule_args,
+    check_useful,
     schedule_verify_lengths,
 )
+
+
+def schedule_reference(
+    confidence,
+    cost: CostTable,
+    basis: str = "total",
+    min_gain: float = 0.01,
+    active=None,
+    useful=None,
+    admission: str = "global",
+) -> Schedule:
+    """Brute force in float64 numpy over every budget n = B .. B K (basis "width": every
+    width w, `width_reference`); returns a Schedule of numpy values."""
+    b, k = check_schedule_args(confidence, cost, basis, min_gain, admission)
+    act = np.asarray(check_active(active, b), bool)
+    use = np.asarray(check_useful(useful, b, k))
+    surv = np.cumprod(np.asarray(confidence, np.float64), axis=1) * act[:, None]
+    surv *= np.arange(1, k + 1)[None, :] <= use[:, None]
+    if basis == "width":
+        w, tau, thr, full = width_reference(surv, int(act.sum()), cost, b, admission, min_gain)
+        lengths = np.full(b, w, np.int32)
+        return Schedule(lengths, np.int32(b * w), *(np.float32(x) for x in (tau, thr, full)))
+    free = sorted((-surv[r, j], j, r) for r in range(b) for j in range(1, k))
+    best = None  # (throughput, n, lengths, tau)
+    results = []
+    for n in range(b, b * k + 1):
+        lengths = np.ones(b, np.int64)
+        tau = act.sum() + surv[:, 0].sum()
+        for neg_s, _, r in free[: n - b]:
+            lengths[r] += 1
+            tau -= neg_s
+        tokens = b + n if basis == "total" else b * (1 + lengths.max())
+        secs = cost(tokens)
+        if secs <= 0:
+            raise ValueError(f"cost table gives cost {secs} <= 0 at {tokens} tokens")
+        results.append((tau / secs, n, lengths, tau))
+        if best is None or tau / secs > best[0]:
+            best = results[-1]
+    full = results[-1]
+    if not best[0] > (1.0 + min_gain) * full[0]:
+        best = full
+    return Schedule(
+        best[2].astype(np.int32), np.int32(best[1]), np.float32(best[3]), np.float32(best[0]),
+        np.float32(full[0]),
+    )  # fmt: skip
+
+
+def width_reference(surv, n_act: int, cost, b: int, admission: str, min_gain: float):
+    """The plain float64 loop of `admission.width_choice`: (w, tau, throughput, full)."""
+    k = surv.shape[1]
+    w0 = first_width(cost, b)
+    thr, tau = {}, {}
+    for w in range(w0, k + 1):
+        secs = cost(b * (1 + w))
+        if secs <= 0:
+            raise ValueError(f"cost table gives cost {secs} <= 0 at {b * (1 + w)} tokens")
+        tau[w] = n_act + surv[:, :w].sum()
+        thr[w] = tau[w] / secs
+    if admission == "global":
+        best = w0
+        for w in range(w0, k + 1):
+            best = w if thr[w] > thr[best] else best
+        if not thr[best] > (1.0 + min_gain) * thr[k]:
+            best = k
+    else:
+        best = w0
+        while best < k and thr[best + 1] > thr[best]:
+            best += 1
+    return best, np.float64(tau[best]), np.float64(thr[best]), np.float64(thr[k])
+
 
 # Staircase: the verify cost jumps every 16 tokens (flat within a step), as on an engine that
 # pads the batch to tiles of 16 tokens.
@@ -302,7 +375,7 @@ def test_scheduler_rejects_a_cost_that_extrapolates_to_zero():
         schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), steep)
 
 
-# ---- admission="early_stop" and width 0 (basis "width"; v41jax/dspark/admission.py) -------
+# ---- admission="early_stop" and width 0 (basis "width"; v41jax/dspark/decode/admission.py) -------
 
 
 def _with_width_zero(cost: CostTable, b: int, frac: float) -> CostTable:

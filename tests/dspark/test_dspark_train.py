@@ -15,10 +15,10 @@ import pytest
 
 from v41jax import config as config_lib
 from v41jax.__main__ import main
-from v41jax.dspark.self_text import write_target_samples
 from v41jax.dspark.train.config import DrafterRunConfig
 from v41jax.dspark.train.load import load_drafter
 from v41jax.dspark.train.loop import train_drafter
+from v41jax.dspark.train.self_text import write_target_samples
 from v41jax.train import load_run, train
 from v41jax.train.checkpoint import DamagedCheckpointError
 from v41jax.train.metrics import read_metrics
@@ -312,7 +312,7 @@ def test_a_short_run_lowers_the_confidence_bce_of_either_head(target, head):
     for the "prev_token" head too (its term reads the true previous token, teacher forced)."""
     import jax.numpy as jnp
 
-    from v41jax.dspark.drafter import frozen_target
+    from v41jax.dspark.model.drafter import frozen_target
     from v41jax.dspark.train.objective import eval_metrics
     from v41jax.dspark.train.step import init_drafter_params
 
@@ -363,7 +363,7 @@ def test_a_checkpoint_of_the_earlier_optimizer_structure_resumes_exactly(target,
     """Drafter checkpoints written with chain(clip, adamw) (before the drafter used the
     training stack's optimizer) are read and rewrapped: resuming from such a step-4 checkpoint
     ends on the uninterrupted run's params, so no moment was lost or swapped."""
-    from v41jax.dspark.drafter import frozen_target
+    from v41jax.dspark.model.drafter import frozen_target
     from v41jax.dspark.train.record import load_drafter_config
     from v41jax.dspark.train.state import _legacy_opt_structure, drafter_state_fns
     from v41jax.train.checkpoint import Checkpointer

@@ -8,7 +8,7 @@ import pytest
 from v41jax import config as config_lib
 from v41jax import sharding
 from v41jax.config import MeshConfig
-from v41jax.dspark.drafter import frozen_target
+from v41jax.dspark.model.drafter import frozen_target
 from v41jax.dspark.train.config import DrafterRunConfig
 from v41jax.dspark.train.state import drafter_optimizer, drafter_state_fns
 from v41jax.dspark.train.step import init_drafter_params

@@ -12,15 +12,16 @@ import pytest
 from flax import linen as nn
 
 from v41jax.config import ModelConfig
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import Drafter, frozen_target
-from v41jax.dspark.engine import dspark_generate
+from v41jax.decode import SamplingParams, generate, speculative_generate
+from v41jax.dspark.decode.engine import dspark_generate
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.drafter import Drafter, frozen_target
 from v41jax.engram import EngramConfig, engram_forward, flat_row_ids, ngram_hash_ids_np
 from v41jax.engram.fp8 import quantize_blocks_np
 from v41jax.engram.host_rows import HostRows
 from v41jax.engram.host_table import HostTable
 from v41jax.engram.table_file import TableFile, create_table_file
-from v41jax.model import Transformer, engram_ids_key, generate, init_params, speculative_generate
+from v41jax.model import Transformer, engram_ids_key, init_params
 from v41jax.model.host_params import engram_tables, tables_on_host
 
 V = 48
@@ -89,8 +90,9 @@ def test_generate_with_host_tables_equals_device_tables(source, file_tables):
             "numpy": tables(), "file": file_tables}[source]  # fmt: skip
     host = tables_on_host(params(), CFG, srcs)
     assert not any(isinstance(x, jax.Array) and x.size > 10_000 for x in jax.tree.leaves(host))
-    want = _generate(params(), temperature=1.0, rng=jax.random.key(3))
-    np.testing.assert_array_equal(_generate(host, temperature=1.0, rng=jax.random.key(3)), want)
+    t1 = SamplingParams(temperature=1.0)
+    want = _generate(params(), sampling=t1, rng=jax.random.key(3))
+    np.testing.assert_array_equal(_generate(host, sampling=t1, rng=jax.random.key(3)), want)
     np.testing.assert_array_equal(_generate(host), _generate(params()))  # greedy
 
 

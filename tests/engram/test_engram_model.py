@@ -14,9 +14,10 @@ from jax.sharding import PartitionSpec as P
 from v41jax import config as config_lib
 from v41jax.config import ModelConfig
 from v41jax.data import BatchIterator, CompressionTable
+from v41jax.decode import decode_step, generate, prefill
 from v41jax.engram import EngramConfig, ngram_hash_ids_np
 from v41jax.engram.params import TABLE_GROUP as ENGRAM_TABLE_GROUP
-from v41jax.model import Transformer, decode_step, engram_ids_key, generate, prefill
+from v41jax.model import Transformer, engram_ids_key
 from v41jax.sharding import make_mesh
 from v41jax.train import train
 from v41jax.train.batches import add_engram_ids

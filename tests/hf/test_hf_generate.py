@@ -128,7 +128,7 @@ def test_negative_control_the_old_eos_prefix_gives_other_tokens(imported):
     greedy continuation: the test above can fail."""
     import jax
 
-    from v41jax.model import generate
+    from v41jax.decode import SamplingParams, generate
     from v41jax.train import load_run
 
     differs = 0
@@ -138,7 +138,7 @@ def test_negative_control_the_old_eos_prefix_gives_other_tokens(imported):
             ids = [run.tokenizer.eos_id, *run.tokenizer.encode(p["text"])]
             out = generate(run.params, run.cfg.model, np.array([ids], np.int32),
                            np.array([len(ids)], np.int32), max_new_tokens=len(p["greedy"]),
-                           rng=jax.random.PRNGKey(0), temperature=0.0)  # fmt: skip
+                           rng=jax.random.PRNGKey(0), sampling=SamplingParams(0.0))  # fmt: skip
             differs += [int(t) for t in np.asarray(out)[0]] != p["greedy"]
     assert differs > 0
 

@@ -11,9 +11,10 @@ import pytest
 from flax import linen as nn
 
 from v41jax.config import ModelConfig
+from v41jax.decode import decode_step, prefill
 from v41jax.mhc import FORMS, MHCConfig, expand_streams
 from v41jax.mhc.single_pass import single_pass_forward_reference
-from v41jax.model import Transformer, decode_step, prefill, unscan_tree
+from v41jax.model import Transformer, unscan_tree
 from v41jax.model.attention import AttentionLayout
 from v41jax.model.layers import Embed
 from v41jax.model.transformer import Block

@@ -8,16 +8,10 @@ import numpy as np
 from flax import linen as nn
 
 from v41jax.config import ModelConfig
+from v41jax.decode import decode_step, prefill
 from v41jax.engram import EngramConfig, ngram_hash_ids_np
 from v41jax.mhc import MHCConfig
-from v41jax.model import (
-    Transformer,
-    decode_step,
-    engram_ids_key,
-    prefill,
-    scan_tree,
-    unscan_tree,
-)
+from v41jax.model import Transformer, engram_ids_key, scan_tree, unscan_tree
 
 BASE = ModelConfig(
     vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=32

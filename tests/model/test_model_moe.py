@@ -12,17 +12,8 @@ from flax import linen as nn
 
 from v41jax import config as config_lib
 from v41jax.config import ModelConfig, MoEConfig
-from v41jax.model import (
-    MoE,
-    Transformer,
-    decode_step,
-    expert_capacity,
-    generate,
-    init_params,
-    moe_metrics,
-    prefill,
-    routed_experts,
-)
+from v41jax.decode import decode_step, generate, prefill
+from v41jax.model import MoE, Transformer, expert_capacity, init_params, moe_metrics, routed_experts
 from v41jax.sharding import make_mesh
 from v41jax.train.state import TrainState, make_state_fns
 from v41jax.train.step import make_train_step

@@ -12,7 +12,8 @@ from flax import linen as nn
 from flax import traverse_util
 
 from v41jax.config import ModelConfig
-from v41jax.model import Transformer, decode_step, init_params, prefill
+from v41jax.decode import decode_step, prefill
+from v41jax.model import Transformer, init_params
 
 BASE = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64,
             max_seq_len=32, scan_layers=False)  # fmt: skip

@@ -14,13 +14,12 @@ import pytest
 from flax import linen as nn
 
 from v41jax.config import REMAT_POLICIES, EngramConfig, MHCConfig, ModelConfig, MoEConfig
+from v41jax.decode import SamplingParams, generate, init_cache
 from v41jax.engram import ngram_hash_ids_np
 from v41jax.model import (
     Transformer,
     convert_layout,
     engram_ids_key,
-    generate,
-    init_cache,
     init_params,
     layer_segments,
     scan_tree,
@@ -130,7 +129,7 @@ def test_scanned_generation_equals_unscanned(name, temperature):
     flat, scanned = _params(name)
     prompts = np.asarray(TOKENS[:, :6])
     lengths = np.array([3, 6], np.int32)
-    kw = dict(max_new_tokens=8, temperature=temperature, rng=jax.random.key(3))
+    kw = dict(max_new_tokens=8, sampling=SamplingParams(temperature), rng=jax.random.key(3))
     kw["compression"] = IDENTITY if cfg.engram.enabled else None
     want = generate(flat, _flat(cfg), prompts, lengths, **kw)
     got = generate(scanned, cfg, prompts, lengths, **kw)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v41jax.dspark.markov import markov_draft
-from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
+from v41jax.dspark.decode.scheduler import CostTable, schedule_verify_lengths
+from v41jax.dspark.model.markov import markov_draft
 from v41jax.speculative import speculative_sample
 from v41jax.speculative.pipeline_audit import audit_pipeline, make_pipeline_cases
 

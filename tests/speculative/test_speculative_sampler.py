@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from v41jax.model.sampling import sampling_probs
+from v41jax.decode.sampling import SamplingParams, sampling_probs
 from v41jax.speculative import speculative_sample
 from v41jax.speculative.sampler import sample_inverse_cdf
 
@@ -127,7 +127,7 @@ def test_inverse_cdf_is_exactly_the_float64_inverse_cdf_of_its_uniform():
 def test_greedy_drafts_one_hot_equals_none_and_is_deterministic():
     v, k, b = 9, 3, 64
     logits = jax.random.normal(jax.random.key(11), (b, k + 1, v))
-    p = sampling_probs(logits, temperature=0.0)
+    p = sampling_probs(logits, SamplingParams(0.0))
     d = jnp.argmax(logits[:, :k], axis=-1).astype(jnp.int32)
     d = d.at[::3, 1].set((d[::3, 1] + 1) % v)  # some wrong drafts
     out_none, acc_none = speculative_sample(jax.random.key(12), d, None, p)
@@ -193,10 +193,10 @@ def test_bad_inputs_are_named(bad, match):
 # ------------------------------------------------- one sampling function for draft and target
 
 SETTINGS = {
-    "temperature": dict(temperature=0.7),
-    "top_k": dict(temperature=1.0, top_k=4),
-    "top_p": dict(temperature=1.0, top_p=0.7),
-    "min_p": dict(temperature=1.3, min_p=0.1),
+    "temperature": SamplingParams(temperature=0.7),
+    "top_k": SamplingParams(temperature=1.0, top_k=4),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.7),
+    "min_p": SamplingParams(temperature=1.3, min_p=0.1),
 }
 
 
@@ -211,8 +211,8 @@ def test_speculative_equals_plain_sampling_under_each_setting(name):
     key_t, key_d, key_s, key_x = jax.random.split(jax.random.key(20 + len(name)), 4)
     target_logits = 2.0 * jax.random.normal(key_t, (k + 1, v))
     draft_logits = target_logits[:k] + jax.random.normal(key_d, (k, v))
-    p = sampling_probs(target_logits, **setting)
-    q = sampling_probs(draft_logits, **setting)
+    p = sampling_probs(target_logits, setting)
+    q = sampling_probs(draft_logits, setting)
     q_wrong = jax.nn.softmax(draft_logits, axis=-1)  # the setting applied on one side only
     want = np.asarray(p[0], np.float64)
     for q_used, q_passed, should_pass in ((q, q, True), (q_wrong, q, False)):

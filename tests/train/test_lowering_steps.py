@@ -26,7 +26,7 @@ import pytest
 
 from v41jax import config as config_lib
 from v41jax import sharding
-from v41jax.model import DecodeState, decode_step, init_cache, prefill
+from v41jax.decode import DecodeState, decode_step, init_cache, prefill
 from v41jax.sharding import make_mesh
 from v41jax.train.batches import batch_keys
 from v41jax.train.state import make_state_fns

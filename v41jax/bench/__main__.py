@@ -1,6 +1,6 @@
 """Benchmarks: `python -m v41jax.bench NAME [--json PATH] ...` (or `python -m v41jax bench
 NAME ...`) prints a table and writes JSON. `--help` lists them; `NAME --help` gives the
-options of one. The device check (`scripts/device_check.sh`, `v41jax.bench.device_check`)
+options of one. The device check (`scripts/device_check.sh`, `scripts/device_check.py`)
 runs quick versions of several on a GPU/TPU."""
 
 from __future__ import annotations

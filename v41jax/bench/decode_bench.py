@@ -35,7 +35,8 @@ from v41jax.bench.common import (
     write_json,
 )
 from v41jax.config import ModelConfig
-from v41jax.model import Transformer, generate, init_cache, init_params
+from v41jax.decode import SamplingParams, generate, init_cache
+from v41jax.model import Transformer, init_params
 
 VARIANTS = ("bare_greedy", "generate_greedy", "bare_t1", "generate_t1")
 
@@ -114,7 +115,7 @@ def variant_calls(params, cfg: ModelConfig, prompts_BxP: np.ndarray, new_tokens:
             prompts,
             lengths,
             max_new_tokens=new_tokens,
-            temperature=temperature,
+            sampling=SamplingParams(temperature=temperature),
             rng=rng,
         )
 

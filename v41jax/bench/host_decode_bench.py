@@ -33,11 +33,12 @@ from v41jax.bench.common import (
     write_json,
 )
 from v41jax.config import ModelConfig
+from v41jax.decode import generate
 from v41jax.engram import EngramConfig
 from v41jax.engram.host_rows import HostRows
 from v41jax.engram.host_table import HostTable
 from v41jax.engram.table_file import create_table_file
-from v41jax.model import generate, init_params
+from v41jax.model import init_params
 from v41jax.model.host_params import engram_tables, tables_on_host
 
 PLACEMENTS = ("device", "host", "host_callback", "file")

@@ -8,12 +8,12 @@ import sys
 import jax
 import numpy as np
 
-from v41jax.dspark.drafter import frozen_target
-from v41jax.dspark.engine import dspark_generate, load_or_measure_cost
+from v41jax.dspark.decode.engine import dspark_generate, load_or_measure_cost
+from v41jax.dspark.model.drafter import frozen_target
 from v41jax.dspark.train.load import load_drafter
 
 
-def generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed):
+def generate_with_drafter(args, run, padded, lengths, max_new, sampling, seed):
     """`generate --drafter`: DSpark speculative decoding of `padded` int32 [B, P] prompts
     (`lengths` int32 [B]) with the drafter in `args.drafter`; returns the tokens [B, max_new].
     Prints the mean tokens per verify round to stderr."""
@@ -43,7 +43,7 @@ def generate_with_drafter(args, run, padded, lengths, max_new, knobs, seed):
         cost=cost,
         rng=jax.random.PRNGKey(seed),
         compression=run.compression.table,
-        **knobs,
+        sampling=sampling,
     )
     active = np.asarray(out.active)
     emitted = (np.asarray(out.accepted) + 1)[active].sum()

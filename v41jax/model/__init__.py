@@ -1,4 +1,4 @@
-"""The backbone: decoder-only transformer, its pure-JAX cores, sampling and generation."""
+"""The backbone: decoder-only transformer and its pure-JAX cores (decoding: `v41jax.decode`)."""
 
 from v41jax.model.accounting import (
     matmul_params_per_token,
@@ -14,7 +14,6 @@ from v41jax.model.attention import (
     update_cache,
 )
 from v41jax.model.block import feature_param_groups
-from v41jax.model.generate import DecodeState, decode_step, generate, init_cache, prefill
 from v41jax.model.layers import (
     Embed,
     RMSNorm,
@@ -41,8 +40,6 @@ from v41jax.model.moe import (
     route,
     routed_experts,
 )
-from v41jax.model.sampling import check_sampling_args, sample_logits, sampling_probs
-from v41jax.model.speculative import SpeculativeOutput, speculative_generate
 from v41jax.model.transformer import (
     ENGRAM_IDS_PREFIX,
     ENGRAM_ROWS_PREFIX,
@@ -61,7 +58,6 @@ from v41jax.model.transformer import (
 )
 
 __all__ = [
-    "DecodeState",
     "ENGRAM_IDS_PREFIX",
     "ENGRAM_ROWS_PREFIX",
     "engram_ids_key",
@@ -78,22 +74,17 @@ __all__ = [
     "ModelOutput",
     "RMSNorm",
     "Segment",
-    "SpeculativeOutput",
     "SwiGLU",
     "Transformer",
     "apply_rope",
     "attention_reference",
     "causal_attention",
-    "check_sampling_args",
     "combine_metrics",
     "convert_layout",
     "count_params",
-    "decode_step",
     "expert_capacity",
     "feature_param_groups",
     "ffn_kind_for_layer",
-    "generate",
-    "init_cache",
     "init_inputs",
     "init_params",
     "layer_segments",
@@ -105,15 +96,11 @@ __all__ = [
     "model_flops_per_token",
     "moe_metrics",
     "param_accounting",
-    "prefill",
     "rms_norm",
     "rope_angles",
     "route",
     "routed_experts",
-    "sample_logits",
-    "sampling_probs",
     "scan_tree",
-    "speculative_generate",
     "swiglu",
     "unscan_tree",
     "update_cache",

@@ -26,7 +26,7 @@ without knowing which features are on.
 
 KV cache: a dict {segment name: {"k", "v"}}, [L_run, B, S, G, K] for a scanned run (the scan
 carry, written in place: only the T new slots of each layer) and [B, S, G, K] for a block
-(`v41jax.model.generate.init_cache` builds it for the model's segments).
+(`v41jax.decode.generate.init_cache` builds it for the model's segments).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from v41jax import config as config_lib
 from v41jax.config import OptimConfig, TrainConfig
-from v41jax.dspark.config import KIND_DEFAULTS, DrafterConfig
+from v41jax.dspark.model.config import KIND_DEFAULTS, DrafterConfig
 
 
 def _require(ok: bool, msg: str) -> None:
@@ -64,7 +64,7 @@ def drafter_loop() -> TrainConfig:
 class DrafterTrainConfig:
     """Frozen-backbone drafter training on anchors sampled from packed sequences of text
     (`data_paths`; default the target's training text; e.g. the target's own samples,
-    `v41jax.dspark.self_text`).
+    `v41jax.dspark.train.self_text`).
 
     Loss per anchor and position k = 1..K (weights decay^(k-1)):
         CE(p_k, q_k) + tv_weight * TV(q_k, p_k) + conf_weight * BCE(c_k, 1 - TV(q_k, p_k))

@@ -13,7 +13,7 @@ import os
 
 import jax
 
-from v41jax.dspark.drafter import frozen_target
+from v41jax.dspark.model.drafter import frozen_target
 from v41jax.dspark.train.record import check_target, load_drafter_config, recorded_target
 from v41jax.dspark.train.state import abstract_drafter_params
 from v41jax.train import load_run

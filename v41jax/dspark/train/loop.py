@@ -25,7 +25,7 @@ import numpy as np
 from flax import linen as nn
 
 from v41jax.data import BatchIterator, eval_batches, load_data
-from v41jax.dspark.drafter import frozen_target
+from v41jax.dspark.model.drafter import frozen_target
 from v41jax.dspark.train import step as S
 from v41jax.dspark.train.config import DrafterRunConfig, DrafterTrainConfig
 from v41jax.dspark.train.load import load_drafter

@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41jax.config import ModelConfig
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import Drafter, FrozenTarget, confidence_logits, previous_tokens
-from v41jax.dspark.markov import teacher_forced_logits
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.drafter import Drafter, FrozenTarget, confidence_logits, previous_tokens
+from v41jax.dspark.model.markov import teacher_forced_logits
 from v41jax.dspark.train.config import DrafterTrainConfig
 from v41jax.model.transformer import Transformer
 

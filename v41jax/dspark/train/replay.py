@@ -22,7 +22,7 @@ choice sets, so it stops).
 
 Width 0 (a plain decode step: no drafter pass, one token per active row, tokens_r(0) =
 B_active at cost(B)) is a candidate of the scheduler and of the oracle when the cost table has
-an entry at B tokens (`v41jax.dspark.admission.first_width`), and "plain" reports its
+an entry at B tokens (`v41jax.dspark.decode.admission.first_width`), and "plain" reports its
 throughput; without one the widths are 1 .. K as before.
 
 The replay holds each round's draws fixed: a different width would have moved later rounds'
@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 
-from v41jax.dspark.admission import first_width
-from v41jax.dspark.analysis import check_log
-from v41jax.dspark.rounds import ENGINE_BASIS
-from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
+from v41jax.dspark.analysis.round_logs import check_log
+from v41jax.dspark.decode.admission import first_width
+from v41jax.dspark.decode.rounds import ENGINE_BASIS
+from v41jax.dspark.decode.scheduler import CostTable, schedule_verify_lengths
 
 
 def stack_rounds(logs) -> dict[str, np.ndarray]:

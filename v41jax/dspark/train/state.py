@@ -24,7 +24,7 @@ import optax
 from flax import linen as nn
 
 from v41jax import sharding
-from v41jax.dspark.drafter import Drafter
+from v41jax.dspark.model.drafter import Drafter
 from v41jax.dspark.train.config import DrafterRunConfig
 from v41jax.train.checkpoint import Checkpointer
 from v41jax.train.optimizer import make_optimizer

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from v41jax.model.sampling import sample_probs
+from v41jax.decode.sampling import sample_probs
 
 MarkovParams = Mapping[str, jax.Array]
 ProbsFn = Callable[[jax.Array], jax.Array]
@@ -181,8 +181,8 @@ def markov_draft(
     term of hidden[:, k] for the contextual head), i.e.
     q_k(v) ∝ exp(base_k(v) + u(x_{k-1}) · w(v)) before the sampling transform, and
     x_k ~ q_k with an independent key per step (x_0 = the anchor). `probs_fn` maps float32
-    logits [B, V] to probabilities [B, V] (e.g. `functools.partial(sampling_probs,
-    temperature=...)`; temperature 0 gives the greedy argmax chain). The returned q is
+    logits [B, V] to probabilities [B, V] (e.g. `v41jax.decode.sampling.probs_fn(sampling)`;
+    temperature 0 gives the greedy argmax chain). The returned q is
     exactly the distribution each draft was drawn from (the verifier's q); a draft never has
     q = 0 (`sample_probs` never draws a zero-probability token). The transformer is not
     re-run: only this O(r V) head is sequential.

@@ -1,5 +1,5 @@
 """The drafter's confidence c_k for either head (`DrafterConfig.confidence_input`; the
-equations: `v41jax.dspark.drafter`'s module docstring and docs/dspark.md section 3).
+equations: `v41jax.dspark.model.drafter`'s module docstring and docs/dspark.md section 3).
 
     "hidden":     c_k = hidden_k w_c + b_c
     "prev_token": c_k = hidden_k w_c + b_c + u(x_{k-1}) . w_p     (the DSpark paper,
@@ -7,7 +7,7 @@ equations: `v41jax.dspark.drafter`'s module docstring and docs/dspark.md section
 
 x_0 is the anchor, x_{k-1} (k >= 2) the sampled draft k-1 in decoding and the true previous
 token in training (teacher forcing, as `markov.teacher_forced_logits`). Both are exported by
-`v41jax.dspark.drafter`.
+`v41jax.dspark.model.drafter`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.markov import check_token_range
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.markov import check_token_range
 
 if TYPE_CHECKING:  # drafter.py imports this module
-    from v41jax.dspark.drafter import DrafterOutput
+    from v41jax.dspark.model.drafter import DrafterOutput
 
 
 def previous_tokens(anchors_BxN: jax.Array, drafts_BxNxK: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""The loops that run speculative rounds (`v41jax.model.speculative_engine`).
+"""The loops that run speculative rounds (`v41jax.decode.engine`).
 
 - device (a fixed width): the whole generation is one `lax.while_loop`;
 - host (any policy): a Python loop over segments. One compiled program per width runs rounds
@@ -16,11 +16,12 @@ Both loops give the same tokens for the same rng at a fixed width.
 from __future__ import annotations
 
 import functools
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
-from v41jax.model.speculative_engine import (
+from v41jax.decode.engine import (
     MAX_PLAIN_ROUNDS,
     Ctx,
     Draft,
@@ -34,7 +35,8 @@ from v41jax.model.speculative_engine import (
     verify_step,
 )
 
-LOOPS = ("device", "host")
+Loop = Literal["device", "host"]
+LOOPS: tuple[Loop, ...] = get_args(Loop)
 
 
 def finish(lengths_B, state: State, st: Static) -> EngineOutput:
@@ -61,27 +63,20 @@ def device_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput
     return finish(lengths_B, state, st)
 
 
-def _flags(c: Ctx, state: State, d: Draft) -> jax.Array:
-    """[next width, any row active]: the two ints the host reads."""
+def host_flags(c: Ctx, state: State, d: Draft) -> jax.Array:
+    """[next width, any row active]: the two ints the host reads after each program."""
     return jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
 
 
 def _with_flags(c: Ctx, state: State, st: Static):
-    """The round's draft side and its `_flags`."""
+    """The round's draft side and its `host_flags`."""
     state, d = draft_step(c, state, st)
-    return state, d, _flags(c, state, d)
+    return state, d, host_flags(c, state, d)
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
 def host_start(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
     return _with_flags(c, prefill(c, prompts_BxP, lengths_B, rng, st), st)
-
-
-# One program per round and width: this round's verify, then the next round's draft (one
-# launch per round: the reference `host_segment` is tested against).
-@functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
-def host_step(c: Ctx, state: State, d: Draft, st: Static, width: int):
-    return _with_flags(c, verify_step(c, state, d, st, width), st)
 
 
 # One program per width that keeps going while the policy keeps choosing that width: a run
@@ -97,7 +92,7 @@ def host_segment(c: Ctx, state: State, d: Draft, st: Static, width: int):
         return draft_step(c, verify_step(c, state, d, st, width), st)
 
     state, d = jax.lax.while_loop(same_width, one_round, (state, d))
-    return state, d, _flags(c, state, d)
+    return state, d, host_flags(c, state, d)
 
 
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("state",))
@@ -135,7 +130,7 @@ def host_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput:
             state, d, flags = host_segment(c, state, d, st, width)
 
 
-def run_rounds(c: Ctx, prompts_BxP, lengths_B, rng, st: Static, loop: str) -> EngineOutput:
+def run_rounds(c: Ctx, prompts_BxP, lengths_B, rng, st: Static, loop: Loop) -> EngineOutput:
     """The generation on `loop` ("device" needs a fixed int policy)."""
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r} not in {LOOPS}")

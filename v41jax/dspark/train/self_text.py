@@ -26,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from v41jax.data import load_data
-from v41jax.model import generate
+from v41jax.decode import SamplingParams, generate
 
 
 def write_target_samples(
@@ -44,9 +44,13 @@ def write_target_samples(
 ) -> dict:
     """Write `num_samples` samples of the trained `run` (a `load_run` result) into `out_dir`;
     returns the record saved as done.json (settings, tokens written)."""
-    for name, v in (("num_samples", num_samples), ("prompt_len", prompt_len),
-                    ("new_tokens", new_tokens), ("batch_size", batch_size),
-                    ("samples_per_file", samples_per_file)):  # fmt: skip
+    for name, v in (
+        ("num_samples", num_samples),
+        ("prompt_len", prompt_len),
+        ("new_tokens", new_tokens),
+        ("batch_size", batch_size),
+        ("samples_per_file", samples_per_file),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1")
     if not temperature > 0:
@@ -58,9 +62,15 @@ def write_target_samples(
             f"max_seq_len {cfg.max_seq_len}"
         )
     done_path = os.path.join(out_dir, "done.json")
-    settings = dict(num_samples=num_samples, prompt_len=prompt_len, new_tokens=new_tokens,
-                    temperature=temperature, samples_per_file=samples_per_file, seed=seed,
-                    step=int(run.step))  # fmt: skip
+    settings = dict(
+        num_samples=num_samples,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+        temperature=temperature,
+        samples_per_file=samples_per_file,
+        seed=seed,
+        step=int(run.step),
+    )
     if os.path.exists(done_path):
         with open(done_path) as f:
             record = json.load(f)
@@ -75,6 +85,7 @@ def write_target_samples(
     tokens = load_data(run.cfg.data, tokenizer=run.tokenizer).train_tokens
     starts = np.linspace(0, tokens.size - prompt_len - 1, num_samples).astype(np.int64)
     eos, written = run.tokenizer.eos_id, 0
+    sampling = SamplingParams(temperature=temperature)
     key = jax.random.key(seed)
     bar = tqdm(total=num_samples, disable=not progress, desc="target samples")
     for lo in range(0, num_samples, batch_size):
@@ -82,10 +93,16 @@ def write_target_samples(
         prompts = np.stack([tokens[i : i + prompt_len] for i in s]).astype(np.int32)
         key, sub = jax.random.split(key)
         out = generate(
-            run.params, cfg, prompts, np.full((len(s),), prompt_len, np.int32),
-            max_new_tokens=new_tokens, temperature=temperature, rng=sub, eos_id=eos,
+            run.params,
+            cfg,
+            prompts,
+            np.full((len(s),), prompt_len, np.int32),
+            max_new_tokens=new_tokens,
+            sampling=sampling,
+            rng=sub,
+            eos_id=eos,
             compression=run.compression.table,
-        )  # fmt: skip
+        )
         for j, (prompt, cont) in enumerate(zip(prompts, np.asarray(out), strict=True)):
             ids = [int(t) for t in cont]
             ids = ids[: ids.index(eos)] if eos in ids else ids

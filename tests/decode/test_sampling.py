@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from v41jax.model import sample_logits, sampling_probs
+from v41jax.decode import SamplingParams, sample_logits, sampling_probs
 
 LOGITS = jax.random.normal(jax.random.key(0), (16, 50)) * 3
 sample = jax.jit(sample_logits)
@@ -23,7 +23,7 @@ def np_softmax(z):
 def test_greedy_limits_equal_argmax(temperature, top_k, top_p):
     greedy = np.argmax(LOGITS, -1)
     for seed in range(3):
-        toks = sample(jax.random.key(seed), LOGITS, temperature, top_k, top_p)
+        toks = sample(jax.random.key(seed), LOGITS, SamplingParams(temperature, top_k, top_p))
         assert toks.dtype == jnp.int32
         np.testing.assert_array_equal(toks, greedy)
 
@@ -42,7 +42,7 @@ def np_truncated_probs(z, temperature, top_k, top_p):
 
 @pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8), (10, 0.5), (0, 1.0)])
 def test_sampling_probs_truncation(top_k, top_p):
-    probs = np.asarray(sampling_probs(LOGITS, 0.7, top_k, top_p))
+    probs = np.asarray(sampling_probs(LOGITS, SamplingParams(0.7, top_k, top_p)))
     want = np.stack([np_truncated_probs(np.asarray(z), 0.7, top_k, top_p) for z in LOGITS])
     np.testing.assert_allclose(probs, want, atol=1e-6)
     np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-5)
@@ -62,7 +62,8 @@ def chi_square(samples, probs):
 def test_sample_distribution_matches_probs(top_k, top_p):
     logits = np.array([1.0, 0.5, 0.0, -0.5, -1.5], np.float32)
     n, temperature = 20_000, 0.8
-    toks = sample(jax.random.key(42), jnp.broadcast_to(logits, (n, 5)), temperature, top_k, top_p)
+    sampling = SamplingParams(temperature, top_k, top_p)
+    toks = sample(jax.random.key(42), jnp.broadcast_to(logits, (n, 5)), sampling)
     want = np_truncated_probs(logits, temperature, top_k, top_p)
     stat, dof = chi_square(toks, want)
     critical = {4: 18.47, 3: 16.27, 2: 13.82}[dof]  # chi-square, p = 0.001
@@ -71,9 +72,9 @@ def test_sample_distribution_matches_probs(top_k, top_p):
 
 def test_per_row_and_traced_knobs():
     temperature = jnp.array([0.0] * 8 + [1.0] * 8)
-    toks = jax.jit(sample_logits)(jax.random.key(3), LOGITS, temperature, 0, 1.0)
+    toks = jax.jit(sample_logits)(jax.random.key(3), LOGITS, SamplingParams(temperature, 0, 1.0))
     np.testing.assert_array_equal(toks[:8], np.argmax(LOGITS[:8], -1))
-    probs = sampling_probs(LOGITS, 1.0, jnp.array([1] * 8 + [0] * 8), 1.0)
+    probs = sampling_probs(LOGITS, SamplingParams(1.0, jnp.array([1] * 8 + [0] * 8), 1.0))
     assert np.all((np.asarray(probs[:8]) > 0).sum(-1) == 1)
     assert np.all((np.asarray(probs[8:]) > 0).sum(-1) == 50)
 
@@ -86,13 +87,13 @@ def test_per_row_and_traced_knobs():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -1}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"top_k": "4"}, "top_k='4' must be a number"),
     ],
 )
 def test_bad_values_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        sampling_probs(LOGITS, **kwargs)
-    with pytest.raises(ValueError, match=match):
-        sample_logits(jax.random.key(0), LOGITS, **kwargs)
+        SamplingParams(**kwargs)
 
 
 def test_sample_probs_law_zeros_and_shapes():
@@ -101,7 +102,7 @@ def test_sample_probs_law_zeros_and_shapes():
     (the law with two masses swapped) must be rejected; leading shapes are kept."""
     from scipy import stats
 
-    from v41jax.model.sampling import sample_probs
+    from v41jax.decode.sampling import sample_probs
 
     law = np.array([0.0, 0.5, 0.0, 0.2, 1e-3, 0.299, 0.0], np.float64)
     n = 40_000
@@ -159,36 +160,38 @@ def test_plans_give_the_reference_law_and_tokens(v, knobs):
     """Python knobs (a plan that skips the stages they turn off), traced knobs (every stage,
     the sort behind a runtime branch) and the plain reference: the same probabilities bit for
     bit, and the same token for the same key at every odd vocabulary size."""
-    from v41jax.model.sampling import GENERAL_PLAN, sample_probs, sampling_plan
+    from v41jax.decode.sampling import GENERAL_PLAN, sample_probs, sampling_plan
 
     logits = jax.random.normal(jax.random.key(v), (16, v)) * 4
     logits = logits.at[:, v // 2].set(logits[:, 0])  # a tie, ordered by token id
     want = np.asarray(jax.jit(reference_probs)(logits, *knobs))
-    static = jax.jit(lambda x: sampling_probs(x, *knobs))(logits)
-    traced = jax.jit(sampling_probs)(logits, *knobs)
-    general = jax.jit(lambda x, *a: sampling_probs(x, *a, plan=GENERAL_PLAN))(logits, *knobs)
+    sampling = SamplingParams(*knobs)
+    static = jax.jit(lambda x: sampling_probs(x, sampling))(logits)
+    traced = jax.jit(sampling_probs)(logits, sampling)
+    general = jax.jit(lambda x, s: sampling_probs(x, s, plan=GENERAL_PLAN))(logits, sampling)
     for got in (static, traced, general):
         np.testing.assert_array_equal(np.asarray(got), want)
-    assert sampling_plan(*map(jnp.asarray, knobs)) == sampling_plan(*knobs)
+    assert sampling_plan(SamplingParams(*map(jnp.asarray, knobs))) == sampling_plan(sampling)
     for seed in range(2):
         key = jax.random.key(seed)
         tok = np.asarray(jax.jit(sample_probs)(key, want))
         np.testing.assert_array_equal(
-            jax.jit(lambda x, k: sample_logits(k, x, *knobs))(logits, key), tok
+            jax.jit(lambda x, k: sample_logits(k, x, sampling))(logits, key), tok
         )
-        np.testing.assert_array_equal(jax.jit(sample_logits)(key, logits, *knobs), tok)
+        np.testing.assert_array_equal(jax.jit(sample_logits)(key, logits, sampling), tok)
 
 
 def test_sampling_plan_from_values():
-    from v41jax.model.sampling import GENERAL_PLAN, SamplingPlan, sampling_plan
+    from v41jax.decode.sampling import GENERAL_PLAN, SamplingPlan, sampling_plan
 
-    assert sampling_plan(0.0, 5, 0.5, 0.1) == SamplingPlan(True, False, False, False)
-    assert sampling_plan(1.0) == SamplingPlan(False, False, False, False)
-    assert sampling_plan(np.array([0.0, 1.0]), 2, 1.0, 0.0) == SamplingPlan(
+    S = SamplingParams
+    assert sampling_plan(S(0.0, 5, 0.5, 0.1)) == SamplingPlan(True, False, False, False)
+    assert sampling_plan(S(1.0)) == SamplingPlan(False, False, False, False)
+    assert sampling_plan(S(np.array([0.0, 1.0]), 2, 1.0, 0.0)) == SamplingPlan(
         None, True, False, False
     )
-    assert sampling_plan(1.0, 0, np.array([1.0, 0.9]), 0.0) == SamplingPlan(
+    assert sampling_plan(S(1.0, 0, np.array([1.0, 0.9]), 0.0)) == SamplingPlan(
         False, False, True, False
     )
-    traced = jax.jit(lambda t, k, p, m: jnp.asarray(sampling_plan(t, k, p, m) == GENERAL_PLAN))
+    traced = jax.jit(lambda t, k, p, m: jnp.asarray(sampling_plan(S(t, k, p, m)) == GENERAL_PLAN))
     assert traced(1.0, 0, 1.0, 0.0)

@@ -1,5 +1,5 @@
 """The DSpark drafter (DeepSeek-V4.1 report): one parallel forward drafts a block of K positions
-from the frozen target's hidden states; a Markov head (`v41jax.dspark.markov`) then links
+from the frozen target's hidden states; a Markov head (`v41jax.dspark.model.markov`) then links
 consecutive drafts, and a confidence head predicts per-position acceptance.
 
 The drafter, its heads, the scheduler and the cost table: docs/dspark.md.
@@ -41,14 +41,14 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from v41jax.config import ModelConfig
-from v41jax.dspark.confidence import confidence_logits, draft_confidence, previous_tokens
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.markov import check_token_range
+from v41jax.dspark.model.confidence import confidence_logits, draft_confidence, previous_tokens
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.markov import check_token_range
 from v41jax.kernels.attention import causal_attention
 from v41jax.model.layers import RMSNorm, SwiGLU, apply_rope, normal_init
 
 ContextKV = list[dict[str, jax.Array]]
-# the confidence of either head, for the engine and the objective (v41jax.dspark.confidence)
+# the confidence of either head, for the engine and the objective (v41jax.dspark.model.confidence)
 __all__ = ["Drafter", "DrafterOutput", "FrozenTarget", "confidence_logits", "draft_confidence"]
 __all__ += ["frozen_target", "previous_tokens"]
 
@@ -164,7 +164,7 @@ class _Block(nn.Module):
 
 class _MarkovTables(nn.Module):
     """The Markov head's tables `u`, `w` [V, r], and for the contextual head (context > 0)
-    `t` [V, H], `h` [D, H], `o` [H, r] with o = 0 at init (see `v41jax.dspark.markov`)."""
+    `t` [V, H], `h` [D, H], `o` [H, r] with o = 0 at init (see `v41jax.dspark.model.markov`)."""
 
     vocab_size: int
     rank: int

@@ -1,6 +1,6 @@
 """The width basis's admission rules (`schedule_verify_lengths(basis="width", admission=)`).
 
-One width w for the batch, every active row verifies w drafts (`v41jax.dspark.scheduler`):
+One width w for the batch, every active row verifies w drafts (`v41jax.dspark.decode.scheduler`):
 
     tau(w)        = B_active + sum_b sum_{j <= w} s[b, j]     s[b, j] = prod_{i <= j} c[b, i]
     throughput(w) = tau(w) / cost(B (1 + w))                   w = w_0 .. K
@@ -29,11 +29,13 @@ curve has several).
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-ADMISSIONS = ("global", "early_stop")
+Admission = Literal["global", "early_stop"]
+ADMISSIONS: tuple[Admission, ...] = get_args(Admission)
 
 
 def first_width(cost, b: int) -> int:
@@ -42,7 +44,12 @@ def first_width(cost, b: int) -> int:
 
 
 def width_choice(
-    surv_BxK: jax.Array, n_req: jax.Array, secs_W: jax.Array, w0: int, admission: str, min_gain
+    surv_BxK: jax.Array,
+    n_req: jax.Array,
+    secs_W: jax.Array,
+    w0: int,
+    admission: Admission,
+    min_gain,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """(w int32, tau(w), throughput(w), throughput(K)) under `admission` (module docstring).
 
@@ -60,27 +67,3 @@ def width_choice(
         best = jnp.sum(jnp.cumprod(up.astype(jnp.int32)), dtype=jnp.int32)
     w = (best + w0).astype(jnp.int32)
     return w, tau_W[best], thr_W[best], thr_W[last]
-
-
-def width_reference(surv, n_act: int, cost, b: int, admission: str, min_gain: float):
-    """The plain float64 loop of `width_choice` (for tests): (w, tau, throughput, full)."""
-    k = surv.shape[1]
-    w0 = first_width(cost, b)
-    thr, tau = {}, {}
-    for w in range(w0, k + 1):
-        secs = cost(b * (1 + w))
-        if secs <= 0:
-            raise ValueError(f"cost table gives cost {secs} <= 0 at {b * (1 + w)} tokens")
-        tau[w] = n_act + surv[:, :w].sum()
-        thr[w] = tau[w] / secs
-    if admission == "global":
-        best = w0
-        for w in range(w0, k + 1):
-            best = w if thr[w] > thr[best] else best
-        if not thr[best] > (1.0 + min_gain) * thr[k]:
-            best = k
-    else:
-        best = w0
-        while best < k and thr[best + 1] > thr[best]:
-            best += 1
-    return best, np.float64(tau[best]), np.float64(thr[best]), np.float64(thr[k])

@@ -1,6 +1,6 @@
 """The DSpark drafter as a plug-in of the speculative engine (DeepSeek-V4.1 report).
 
-The round, history, rollback and loops are the engine's (`v41jax.model.speculative_engine`).
+The round, history, rollback and loops are the engine's (`v41jax.decode.engine`).
 The drafter's state is its context cache: per drafter layer, the K/V of the target features of
 slots < pos (`Drafter.context_kv`, written once per verified position). Per round:
 
@@ -27,21 +27,22 @@ import jax
 import jax.numpy as jnp
 
 from v41jax.config import ModelConfig
-from v41jax.dspark.confidence import draft_confidence, previous_tokens
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import Drafter
-from v41jax.dspark.markov import markov_draft
-from v41jax.dspark.scheduler import CostTable, schedule_verify_lengths
+from v41jax.decode.engine import Proposal
+from v41jax.dspark.decode.admission import Admission
+from v41jax.dspark.decode.scheduler import Basis, CostTable, schedule_verify_lengths
+from v41jax.dspark.model.confidence import draft_confidence, previous_tokens
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.drafter import Drafter
+from v41jax.dspark.model.markov import markov_draft
 from v41jax.model.attention import update_cache
-from v41jax.model.speculative_engine import Proposal
 
 # One verify width per round for the whole padded batch: the scheduler prices exactly that
 # (basis "width": every active row's first w drafts count), not the ragged budget rule.
-ENGINE_BASIS = "width"
+ENGINE_BASIS: Basis = "width"
 
 
 def scheduled_width(
-    conf_BxK, cost: CostTable, active_B, useful_B=None, basis=ENGINE_BASIS, **kw
+    conf_BxK, cost: CostTable, active_B, useful_B=None, basis: Basis = ENGINE_BASIS, **kw
 ) -> jax.Array:
     """The round's verify width, int32 scalar in [0, K]: the largest of the scheduler's lengths
     over the active rows (1 if none is active; 0 only when the cost table prices a plain
@@ -61,7 +62,7 @@ class ScheduledWidth:
     verified on c_1..c_j alone) for the prev-token head, whose c_k reads draft k-1."""
 
     cost: CostTable
-    admission: str = "global"
+    admission: Admission = "global"
 
     def __call__(self, conf_BxK, active_B, useful_B) -> jax.Array:
         return scheduled_width(conf_BxK, self.cost, active_B, useful_B, admission=self.admission)

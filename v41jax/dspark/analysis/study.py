@@ -18,10 +18,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from v41jax.data import load_data
-from v41jax.dspark import analysis as A
-from v41jax.dspark.drafter import frozen_target
-from v41jax.dspark.engine import dspark_generate
-from v41jax.model import generate
+from v41jax.decode import SamplingParams, generate
+from v41jax.dspark.analysis import round_logs as A
+from v41jax.dspark.decode.engine import dspark_generate
+from v41jax.dspark.model.drafter import frozen_target
 
 
 def val_prompts(run, n: int, length: int) -> np.ndarray:
@@ -56,14 +56,22 @@ class Decoder:
         """One chunk's output (`generate`'s tokens, or the `DSparkOutput`)."""
         t = self.target
         key = jax.random.key(self.seed if seed is None else seed)
-        common = dict(max_new_tokens=self.new_tokens, temperature=temperature, rng=key)
+        sampling = SamplingParams(temperature=temperature)
+        common = dict(max_new_tokens=self.new_tokens, sampling=sampling, rng=key)
         if drafter is None:
             return generate(t.params, t.cfg.model, p, lens, **common)
         run_cfg, params = drafter
         return dspark_generate(
-            t.params, t.cfg.model, params, run_cfg.drafter, self.frozen, p, lens, **common,
+            t.params,
+            t.cfg.model,
+            params,
+            run_cfg.drafter,
+            self.frozen,
+            p,
+            lens,
+            **common,
             **dspark_kw,
-        )  # fmt: skip
+        )
 
     def run(self, batch: int, drafter=None, compile_first: bool = True, **kw):
         if compile_first:

@@ -51,7 +51,7 @@ tau(0) = B_active and throughput(0) = B_active / cost(B); it wins when it beats 
 (first on ties, so a tie goes to 0). verify_len is then 0 for every row. Without a B-token
 entry the widths are w = 1 .. K as before.
 
-Admission (basis "width", `v41jax.dspark.admission`): "global" (default) is the argmax above;
+Admission (basis "width", `v41jax.dspark.decode.admission`): "global" (default) is the argmax above;
 "early_stop" is a stopping rule, extend w -> w + 1 while throughput(w + 1) > throughput(w),
 with no min_gain fallback (it would read c_K). The bases "total" and "padded" have only
 "global".
@@ -70,16 +70,17 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from v41jax.dspark.admission import ADMISSIONS, first_width, width_choice, width_reference
+from v41jax.dspark.decode.admission import ADMISSIONS, Admission, first_width, width_choice
 
-BASES = ("total", "padded", "width")
+Basis = Literal["total", "padded", "width"]
+BASES: tuple[Basis, ...] = get_args(Basis)
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,11 @@ class Schedule(NamedTuple):
     full_throughput: jax.Array
 
 
-def _check_args(confidence, cost, basis, min_gain, admission="global") -> tuple[int, int]:
-    """Raise ValueError naming the bad value; values of `confidence` only when concrete."""
+def check_schedule_args(
+    confidence, cost, basis: Basis, min_gain, admission: Admission = "global"
+) -> tuple[int, int]:
+    """(B, K) of `schedule_verify_lengths`' arguments; raises ValueError naming the bad value
+    (the values of `confidence` only when concrete)."""
     if basis not in BASES:
         raise ValueError(f"basis={basis!r} is not one of {BASES}")
     if admission not in ADMISSIONS:
@@ -201,7 +205,7 @@ def _check_args(confidence, cost, basis, min_gain, admission="global") -> tuple[
     return shape
 
 
-def _slot_costs(cost: CostTable, b: int, k: int, basis: str) -> np.ndarray:
+def _slot_costs(cost: CostTable, b: int, k: int, basis: Basis) -> np.ndarray:
     """Static cost per candidate: basis total -> [M + 1] for n = B + m (m = 0..M, M = B(K-1));
     padded -> [K] for max L = 1..K; width -> [K + 1 - w0] for w = w0..K (`first_width`).
     Raises if a cost is <= 0 (throughput undefined)."""
@@ -222,17 +226,17 @@ def schedule_verify_lengths(
     confidence_BxK: jax.Array,
     cost: CostTable,
     *,
-    basis: str = "total",
+    basis: Basis = "total",
     min_gain: float = 0.01,
     active_B: jax.Array | None = None,
     useful_B: jax.Array | None = None,
-    admission: str = "global",
+    admission: Admission = "global",
 ) -> Schedule:
     """Verify lengths L [B] from confidences c [B, K] in [0, 1] (see the module docstring).
 
     `admission` (basis "width" only for "early_stop"): "global", the argmax of throughput
     over every width with the min_gain fallback; "early_stop", the stopping rule of
-    `v41jax.dspark.admission` (min_gain unread), lossless also when c_k reads the previous
+    `v41jax.dspark.decode.admission` (min_gain unread), lossless also when c_k reads the previous
     sampled draft. A cost table with an entry at B tokens lets basis "width" pick width 0.
 
     `active_B` (bool [B], default all): rows still generating. A finished row emits nothing,
@@ -250,17 +254,18 @@ def schedule_verify_lengths(
     confidences traced (jit/vmap it with cost, basis, min_gain closed over); values are
     checked only when concrete.
     """
-    b, _ = _check_args(confidence_BxK, cost, basis, min_gain, admission)
-    active_B = _check_active(active_B, b)
-    useful_B = _check_useful(useful_B, b, np.shape(confidence_BxK)[1])
+    b, _ = check_schedule_args(confidence_BxK, cost, basis, min_gain, admission)
+    active_B = check_active(active_B, b)
+    useful_B = check_useful(useful_B, b, np.shape(confidence_BxK)[1])
     conf = jnp.asarray(confidence_BxK, jnp.float32)
     active = jnp.asarray(active_B, bool)
     useful = jnp.asarray(useful_B, jnp.int32)
     return _schedule(conf, active, useful, cost, basis, float(min_gain), admission)
 
 
-def _check_useful(useful_B, b: int, k: int):
-    """Default K for every row; else int [B] >= 0 (values checked when concrete)."""
+def check_useful(useful_B, b: int, k: int):
+    """`useful_B` checked: default K for every row; else int [B] >= 0 (values checked when
+    concrete)."""
     if useful_B is None:
         return np.full((b,), k, np.int32)
     dt = jnp.asarray(useful_B).dtype
@@ -271,7 +276,8 @@ def _check_useful(useful_B, b: int, k: int):
     return useful_B
 
 
-def _check_active(active_B, b: int):
+def check_active(active_B, b: int):
+    """`active_B` checked: default every row; else bool [B]."""
     if active_B is None:
         return np.ones((b,), bool)
     if np.shape(active_B) != (b,) or jnp.asarray(active_B).dtype != jnp.bool_:
@@ -283,7 +289,13 @@ def _check_active(active_B, b: int):
 
 @functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
 def _schedule(
-    conf_BxK, active_B, useful_B, cost: CostTable, basis: str, min_gain: float, admission: str
+    conf_BxK,
+    active_B,
+    useful_B,
+    cost: CostTable,
+    basis: Basis,
+    min_gain: float,
+    admission: Admission,
 ) -> Schedule:
     b, k = conf_BxK.shape
     conf_BxK = jnp.where(active_B[:, None], conf_BxK, 0.0)
@@ -322,48 +334,3 @@ def _schedule(
     chosen_BxK1 = (rank_M < best).reshape(k - 1, b).T
     verify_len = 1 + jnp.sum(chosen_BxK1, axis=1, dtype=jnp.int32)
     return Schedule(verify_len, (b + best).astype(jnp.int32), tau_n[best], thr_n[best], full)
-
-
-def schedule_reference(
-    confidence,
-    cost: CostTable,
-    basis: str = "total",
-    min_gain: float = 0.01,
-    active=None,
-    useful=None,
-    admission: str = "global",
-) -> Schedule:
-    """Brute force in float64 numpy over every budget n = B .. B K (basis "width": every
-    width w, `admission.width_reference`) (for tests); returns a Schedule of numpy values."""
-    b, k = _check_args(confidence, cost, basis, min_gain, admission)
-    act = np.asarray(_check_active(active, b), bool)
-    use = np.asarray(_check_useful(useful, b, k))
-    surv = np.cumprod(np.asarray(confidence, np.float64), axis=1) * act[:, None]
-    surv *= np.arange(1, k + 1)[None, :] <= use[:, None]
-    if basis == "width":
-        w, tau, thr, full = width_reference(surv, int(act.sum()), cost, b, admission, min_gain)
-        lengths = np.full(b, w, np.int32)
-        return Schedule(lengths, np.int32(b * w), *(np.float32(x) for x in (tau, thr, full)))
-    free = sorted((-surv[r, j], j, r) for r in range(b) for j in range(1, k))
-    best = None  # (throughput, n, lengths, tau)
-    results = []
-    for n in range(b, b * k + 1):
-        lengths = np.ones(b, np.int64)
-        tau = act.sum() + surv[:, 0].sum()
-        for neg_s, _, r in free[: n - b]:
-            lengths[r] += 1
-            tau -= neg_s
-        tokens = b + n if basis == "total" else b * (1 + lengths.max())
-        secs = cost(tokens)
-        if secs <= 0:
-            raise ValueError(f"cost table gives cost {secs} <= 0 at {tokens} tokens")
-        results.append((tau / secs, n, lengths, tau))
-        if best is None or tau / secs > best[0]:
-            best = results[-1]
-    full = results[-1]
-    if not best[0] > (1.0 + min_gain) * full[0]:
-        best = full
-    return Schedule(
-        best[2].astype(np.int32), np.int32(best[1]), np.float32(best[3]), np.float32(best[0]),
-        np.float32(full[0]),
-    )  # fmt: skip

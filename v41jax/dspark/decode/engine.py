@@ -1,7 +1,7 @@
 """Batched DSpark speculative decoding with per-round verify widths (DeepSeek-V4.1 report).
 
-`dspark_generate` runs the speculative engine (`v41jax.model.speculative_engine`) with the
-DSpark drafter plug-in (`v41jax.dspark.rounds.DSparkProposer`): draft K tokens in one drafter
+`dspark_generate` runs the speculative engine (`v41jax.decode.engine`) with the
+DSpark drafter plug-in (`v41jax.dspark.decode.rounds.DSparkProposer`): draft K tokens in one drafter
 pass plus the Markov head, choose the verify width w from draft-side information only, verify
 [pending, d_1 .. d_w] with the target, `speculative_sample`. Mode "fixed" runs the whole
 generation as one `lax.while_loop` at a static width (the device loop); mode "scheduled" (or
@@ -23,7 +23,7 @@ import json
 import os
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -32,17 +32,22 @@ from flax import linen as nn
 from tqdm.auto import tqdm
 
 from v41jax.config import ModelConfig
-from v41jax.dspark.config import DrafterConfig
-from v41jax.dspark.drafter import FrozenTarget, frozen_target
-from v41jax.dspark.rounds import DSparkProposer, ScheduledWidth
-from v41jax.dspark.scheduler import CostTable
-from v41jax.model.generate import check_compression
-from v41jax.model.sampling import Scalar, sampling_knobs
-from v41jax.model.speculative_engine import Ctx, Static, check_prompt_batch, draft_step
-from v41jax.model.speculative_loops import host_segment, host_start, plain_segment, run_rounds
+from v41jax.decode.engine import Ctx, Static, check_prompt_batch, draft_step
+from v41jax.decode.generate import check_compression
+from v41jax.decode.loops import host_segment, host_start, plain_segment, run_rounds
+from v41jax.decode.sampling import GREEDY, SamplingParams
+from v41jax.dspark.decode.admission import Admission
+from v41jax.dspark.decode.rounds import DSparkProposer, ScheduledWidth
+from v41jax.dspark.decode.scheduler import CostTable
+from v41jax.dspark.model.config import DrafterConfig
+from v41jax.dspark.model.drafter import FrozenTarget, frozen_target
 
-MODES = ("fixed", "scheduled")
-LOOPS = ("auto", "device", "host")
+Mode = Literal["fixed", "scheduled"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+LoopChoice = Literal["auto", "device", "host"]  # "auto": "device" when fixed, else "host"
+LOOPS: tuple[LoopChoice, ...] = get_args(LoopChoice)
+# The sampling settings a timed round draws with: temperature 1, no filters.
+TIMED_SAMPLING = SamplingParams(temperature=1.0)
 
 
 class DSparkOutput(NamedTuple):
@@ -58,7 +63,7 @@ class DSparkOutput(NamedTuple):
     active: jax.Array
 
 
-def admission_for(drafter: DrafterConfig) -> str:
+def admission_for(drafter: DrafterConfig) -> Admission:
     """The scheduler's admission rule that keeps the output law with this drafter's
     confidences: "global" for the hidden-state head (its confidences precede every draft),
     "early_stop" for the prev-token head (c_k reads draft k-1)."""
@@ -71,9 +76,9 @@ def check_dspark_args(
     prompt_shape,
     lengths,
     n_new: int,
-    mode: str,
+    mode: Mode,
     verify_len: int | None,
-    loop: str = "auto",
+    loop: LoopChoice = "auto",
 ) -> None:
     k = drafter.block_size
     if mode not in MODES:
@@ -108,17 +113,14 @@ def dspark_generate(
     prompt_lengths_B: Any,
     *,
     max_new_tokens: int,
-    mode: str = "fixed",
+    mode: Mode = "fixed",
     verify_len: int | None = None,
     cost: CostTable | None = None,
-    temperature: Scalar = 0.0,
-    top_k: Scalar = 0,
-    top_p: Scalar = 1.0,
-    min_p: Scalar = 0.0,
+    sampling: SamplingParams = GREEDY,
     rng: jax.Array | None = None,
     compression: Any = None,
-    loop: str = "auto",
-    admission: str | None = None,
+    loop: LoopChoice = "auto",
+    admission: Admission | None = None,
 ) -> DSparkOutput:
     """Continue each right-padded prompt by `max_new_tokens` tokens with DSpark drafts.
 
@@ -143,7 +145,6 @@ def dspark_generate(
         raise ValueError("mode='scheduled' needs the engine's round cost table (cost=...)")
     if cost is not None and not isinstance(cost, CostTable):
         raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
-    knobs = sampling_knobs(temperature, top_k, top_p, min_p)
     check_compression(target_cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
@@ -151,7 +152,7 @@ def dspark_generate(
     c = Ctx(
         nn.unbox(target_params),
         (nn.unbox(drafter_params), frozen),
-        knobs,
+        sampling.as_arrays(),
         compression,
         lengths + max_new_tokens,
     )
@@ -177,7 +178,7 @@ def measure_round_cost(
     *,
     rounds: int | None = None,
     passes: int = 3,
-    temperature: float = 1.0,
+    sampling: SamplingParams = TIMED_SAMPLING,
     compression: Any = None,
     progress: bool = False,
     include_plain: bool = True,
@@ -212,11 +213,16 @@ def measure_round_cost(
         )
     b = batch_size
     lengths = jnp.ones((b,), jnp.int32)
-    knobs = sampling_knobs(temperature, 0, 1.0, 0.0)
+    sampling = sampling.as_arrays()
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
-    c = Ctx(nn.unbox(target_params), (nn.unbox(drafter_params), frozen), knobs, compression,
-            lengths + n_new)  # fmt: skip
+    c = Ctx(
+        nn.unbox(target_params),
+        (nn.unbox(drafter_params), frozen),
+        sampling,
+        compression,
+        lengths + n_new,
+    )
     prompts = jnp.zeros((b, 1), jnp.int32)
     proposer = DSparkProposer(drafter, target_cfg)
     tick = time.get_clock_info("perf_counter").resolution
@@ -274,9 +280,17 @@ def load_or_measure_cost(
     )
     frozen = frozen_target(target_params, target_cfg)
     cost = measure_round_cost(
-        target_params, target_cfg, drafter_params, drafter, frozen, batch_size,
-        rounds=rounds, passes=passes, compression=compression, progress=progress,
-    )  # fmt: skip
+        target_params,
+        target_cfg,
+        drafter_params,
+        drafter,
+        frozen,
+        batch_size,
+        rounds=rounds,
+        passes=passes,
+        compression=compression,
+        progress=progress,
+    )
     cost.save(path)
     return cost
 
@@ -304,7 +318,7 @@ def measure_draft_cost(
     *,
     passes_of: int = 16,
     passes: int = 3,
-    temperature: float = 1.0,
+    sampling: SamplingParams = TIMED_SAMPLING,
     compression: Any = None,
 ) -> float:
     """Seconds of the draft side of one round alone, B rows: the drafter pass, the Markov
@@ -316,11 +330,16 @@ def measure_draft_cost(
             raise ValueError(f"{name}={val!r} must be an int >= 1")
     b, p_len = batch_size, 16
     lengths = jnp.full((b,), p_len, jnp.int32)
-    knobs = sampling_knobs(temperature, 0, 1.0, 0.0)
+    sampling = sampling.as_arrays()
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
-    c = Ctx(nn.unbox(target_params), (nn.unbox(drafter_params), frozen), knobs, compression,
-            lengths + 1 + drafter.block_size)  # fmt: skip
+    c = Ctx(
+        nn.unbox(target_params),
+        (nn.unbox(drafter_params), frozen),
+        sampling,
+        compression,
+        lengths + 1 + drafter.block_size,
+    )
     st = Static(target_cfg, DSparkProposer(drafter, target_cfg), 1, drafter.block_size)
     prompts = jnp.zeros((b, p_len), jnp.int32)
     state = jax.block_until_ready(host_start(c, prompts, lengths, jax.random.key(0), st)[0])
@@ -334,9 +353,14 @@ def measure_draft_cost(
 
 
 def load_or_measure_draft_cost(
-    drafter_workdir: str, target_params, target_cfg: ModelConfig, drafter_params,
-    drafter: DrafterConfig, batch_size: int, compression: Any = None,
-) -> float:  # fmt: skip
+    drafter_workdir: str,
+    target_params,
+    target_cfg: ModelConfig,
+    drafter_params,
+    drafter: DrafterConfig,
+    batch_size: int,
+    compression: Any = None,
+) -> float:
     """`measure_draft_cost`, saved with the drafter run (`draft_cost_b{B}.json`) on first use."""
     path = os.path.join(drafter_workdir, f"draft_cost_b{batch_size}.json")
     if os.path.exists(path):
@@ -344,9 +368,14 @@ def load_or_measure_draft_cost(
             return float(json.load(f)["seconds"])
     frozen = frozen_target(target_params, target_cfg)
     secs = measure_draft_cost(
-        target_params, target_cfg, drafter_params, drafter, frozen, batch_size,
+        target_params,
+        target_cfg,
+        drafter_params,
+        drafter,
+        frozen,
+        batch_size,
         compression=compression,
-    )  # fmt: skip
+    )
     with open(path, "w") as f:
         json.dump({"seconds": secs, "batch_size": batch_size}, f)
     return secs

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from v41jax.config import ModelConfig
-from v41jax.model import Transformer, decode_step, generate, init_cache, init_params, prefill
+from v41jax.decode import SamplingParams, decode_step, generate, init_cache, prefill
+from v41jax.model import Transformer, init_params
 
 CFG = ModelConfig(
     vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64, max_seq_len=32
@@ -89,13 +90,18 @@ def test_greedy_generate_equals_naive_loop():
         PROMPTS,
         LENGTHS,
         max_new_tokens=6,
-        temperature=2.0,
-        top_k=1,
+        sampling=SamplingParams(temperature=2.0, top_k=1),
         rng=jax.random.key(5),
     )
     np.testing.assert_array_equal(top1, got)
     sampled = generate(
-        params(), CFG, PROMPTS, LENGTHS, max_new_tokens=6, temperature=5.0, rng=jax.random.key(5)
+        params(),
+        CFG,
+        PROMPTS,
+        LENGTHS,
+        max_new_tokens=6,
+        sampling=SamplingParams(temperature=5.0),
+        rng=jax.random.key(5),
     )
     assert not np.array_equal(sampled, got)
     assert np.all((0 <= np.asarray(sampled)) & (np.asarray(sampled) < CFG.vocab_size))
@@ -128,7 +134,11 @@ def test_rows_keep_emitting_eos():
     ],
 )
 def test_bad_generate_args_raise(lengths, kwargs, match):
+    sampling = {k: kwargs[k] for k in ("temperature", "top_p") if k in kwargs}
+    kwargs = {k: v for k, v in kwargs.items() if k not in sampling}
     with pytest.raises(ValueError, match=match):
+        if sampling:
+            kwargs["sampling"] = SamplingParams(**sampling)
         generate(params(), CFG, PROMPTS, np.array(lengths), **kwargs)
 
 
@@ -191,7 +201,7 @@ def test_generate_plans_give_the_tokens_of_traced_knobs(knobs):
     alone; no filter: no sort); traced knobs trace all of them. Same key, same tokens."""
     t, k, p, m = knobs
     run = lambda t, k, p, m: generate(
-        params(), CFG, PROMPTS, LENGTHS, max_new_tokens=6, temperature=t, top_k=k, top_p=p,
-        min_p=m, rng=jax.random.key(9), eos_id=3,
+        params(), CFG, PROMPTS, LENGTHS, max_new_tokens=6,
+        sampling=SamplingParams(t, k, p, m), rng=jax.random.key(9), eos_id=3,
     )  # fmt: skip
     np.testing.assert_array_equal(run(t, k, p, m), jax.jit(run)(t, k, p, m))

@@ -1,6 +1,6 @@
 """Speculative decoding with a separate small model as the drafter (`ModelProposer`).
 
-The round, history, rollback and loops are the engine's (`v41jax.model.speculative_engine`);
+The round, history, rollback and loops are the engine's (`v41jax.decode.engine`);
 this module is the drafter plug-in. Per round, with the pending token at slot pos:
 
   drafter: feed (history[pos-1], pending) at pos-1 (re-writing slot pos-1 with the same
@@ -24,10 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41jax.config import ModelConfig
-from v41jax.model.generate import check_compression
-from v41jax.model.generate import prefill as model_prefill
-from v41jax.model.sampling import Scalar, sample_probs, sampling_knobs
-from v41jax.model.speculative_engine import (
+from v41jax.decode.engine import (
     Ctx,
     Proposal,
     Static,
@@ -35,7 +32,10 @@ from v41jax.model.speculative_engine import (
     extend_output,
     write_history,
 )
-from v41jax.model.speculative_loops import run_rounds
+from v41jax.decode.generate import check_compression
+from v41jax.decode.generate import prefill as model_prefill
+from v41jax.decode.loops import run_rounds
+from v41jax.decode.sampling import GREEDY, SamplingParams, sample_probs
 
 
 class SpeculativeOutput(NamedTuple):
@@ -124,17 +124,14 @@ def speculative_generate(
     *,
     max_new_tokens: int,
     num_draft: int,
-    temperature: Scalar = 0.0,
-    top_k: Scalar = 0,
-    top_p: Scalar = 1.0,
-    min_p: Scalar = 0.0,
+    sampling: SamplingParams = GREEDY,
     rng: jax.Array | None = None,
     compression: Any = None,
 ) -> SpeculativeOutput:
     """Continue each right-padded prompt by `max_new_tokens` tokens, speculatively.
 
     The output is distributed exactly as `generate(target_params, target_cfg, ...)` with
-    the same sampling settings (token-for-token equal at temperature 0). `compression` is
+    the same `sampling` (token-for-token equal when greedy). `compression` is
     required when either model has Engram layers.
     """
     check_speculative_generate_args(
@@ -145,13 +142,14 @@ def speculative_generate(
         max_new_tokens,
         num_draft,
     )
-    knobs = sampling_knobs(temperature, top_k, top_p, min_p)
     check_compression(target_cfg, compression)
     check_compression(draft_cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
     lengths = jnp.asarray(prompt_lengths_B, jnp.int32)
-    c = Ctx(target_params, draft_params, knobs, compression, lengths + max_new_tokens)
+    c = Ctx(
+        target_params, draft_params, sampling.as_arrays(), compression, lengths + max_new_tokens
+    )
     st = Static(target_cfg, ModelProposer(draft_cfg, num_draft), max_new_tokens, num_draft)
     rng = jax.random.key(0) if rng is None else rng
     out = run_rounds(c, jnp.asarray(prompt_tokens_BxP, jnp.int32), lengths, rng, st, "device")

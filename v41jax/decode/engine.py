@@ -1,7 +1,7 @@
 """The speculative-decoding engine: one round (draft step, verify step, rollback), any drafter.
 
-A drafter is a `Proposer` (a hashable plug-in: a small model, `v41jax.model.speculative`; the
-DSpark drafter, `v41jax.dspark.rounds`); the engine owns everything else: the target, the
+A drafter is a `Proposer` (a hashable plug-in: a small model, `v41jax.decode.speculative`; the
+DSpark drafter, `v41jax.dspark.decode.rounds`); the engine owns everything else: the target, the
 history, positions, sampling, verification and the loops.
 
 State per row b: `history[b]` (prompt and emitted tokens by slot) and `pos[b]`, the slot of the
@@ -16,7 +16,7 @@ One round, all rows at once with per-row acceptance:
      one more token (w = 0: a plain decode step, the drafts are dropped); the proposer sees
      the target's output (`observe`); pos += A + 1.
 Rollback is free: slots >= pos hold stale entries that causality never lets a query see, and
-the next round overwrites them. Both models sample with the same settings (`knob_probs`),
+the next round overwrites them. Both models sample with the same settings (`probs_fn`),
 which is what makes the output exact: distributed as `generate`'s, token for token equal at
 temperature 0.
 
@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41jax.config import ModelConfig
+from v41jax.decode.generate import init_cache, window_ending_at
+from v41jax.decode.sampling import SamplingParams, probs_fn, sample_probs
 from v41jax.engram import ngram_hash_ids_step
-from v41jax.model.generate import init_cache, window_ending_at
-from v41jax.model.sampling import knob_probs, sample_probs
 from v41jax.model.transformer import Transformer, engram_ids_key
 from v41jax.speculative import speculative_sample
 
@@ -97,11 +97,12 @@ class Static:
 
 
 class Ctx(NamedTuple):
-    """Per-call constants: parameters, sampling knobs, Engram compression, end slots [B]."""
+    """Per-call constants: parameters, sampling settings (`SamplingParams.as_arrays`), Engram
+    compression, end slots [B]."""
 
     target_params: Any
     drafter_params: Any
-    knobs: Any
+    sampling: SamplingParams
     compression: Any
     end_B: jax.Array  # a row is done once pos + 1 >= end
 
@@ -158,9 +159,15 @@ def _engram_extras_at(cfg: ModelConfig, compressed_BxS, start_B, t: int) -> dict
 
 
 def extend_output(
-    params, cfg: ModelConfig, kv, history_BxS, start_B, t: int, compression=None,
+    params,
+    cfg: ModelConfig,
+    kv,
+    history_BxS,
+    start_B,
+    t: int,
+    compression=None,
     hidden_layers: tuple[int, ...] = (),
-):  # fmt: skip
+):
     """Feed history[start .. start+t-1] (per row) through the cache at those slots.
 
     Returns the `ModelOutput` (logits [B, t, V], `hidden_layers`' outputs [B, t, D], the
@@ -173,9 +180,14 @@ def extend_output(
     if cfg.engram.enabled:
         extras = _engram_extras_at(cfg, compression[history_BxS], start_B, t)
     return Transformer(cfg).apply(
-        {"params": params}, tokens_BxT, idx_BxT, cache=kv, cache_index=start_B, extras=extras,
+        {"params": params},
+        tokens_BxT,
+        idx_BxT,
+        cache=kv,
+        cache_index=start_B,
+        extras=extras,
         hidden_layers=hidden_layers,
-    )  # fmt: skip
+    )
 
 
 def write_history(history_BxS, start_B, values_BxT, mask_BxT):
@@ -205,13 +217,19 @@ def prefill(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> State:
     b, p_width = prompts_BxP.shape
     history = jnp.zeros((b, prop.seq_len(cfg)), jnp.int32).at[:, :p_width].set(prompts_BxP)
     out = extend_output(
-        c.target_params, cfg, init_cache(cfg, b), history, jnp.zeros((b,), jnp.int32), p_width,
-        c.compression, prop.hidden_layers,
-    )  # fmt: skip
+        c.target_params,
+        cfg,
+        init_cache(cfg, b),
+        history,
+        jnp.zeros((b,), jnp.int32),
+        p_width,
+        c.compression,
+        prop.hidden_layers,
+    )
     dstate = prop.init(c.drafter_params, out, prompts_BxP, lengths_B, c.compression)
     rng, key = jax.random.split(rng)
     last = jnp.take_along_axis(out.logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    first = sample_probs(key, knob_probs(c.knobs)(last.astype(jnp.float32)))
+    first = sample_probs(key, probs_fn(c.sampling)(last.astype(jnp.float32)))
     history = write_history(history, lengths_B, first[:, None], lengths_B[:, None] >= 0)
     n, k = st.max_new_tokens, prop.block_size
     logs = (
@@ -233,9 +251,15 @@ def draft_step(c: Ctx, state: State, st: Static) -> tuple[State, Draft]:
     rng, k_draft, k_verify = jax.random.split(state.rng, 3)
     active = state.pos + 1 < c.end_B
     proposal, dstate = prop.propose(
-        c.drafter_params, state.drafter_state, state.history, state.pos, active, k_draft,
-        knob_probs(c.knobs), c.compression,
-    )  # fmt: skip
+        c.drafter_params,
+        state.drafter_state,
+        state.history,
+        state.pos,
+        active,
+        k_draft,
+        probs_fn(c.sampling),
+        c.compression,
+    )
     if isinstance(st.policy, int):
         width = jnp.int32(st.policy)
     else:
@@ -276,13 +300,19 @@ def verify_step(c: Ctx, state: State, d: Draft, st: Static, width: int) -> State
     p = d.proposal
     hist_d = write_history(state.history, state.pos + 1, p.drafts, active[:, None])
     o = extend_output(
-        c.target_params, cfg, state.target_kv, hist_d, state.pos, width + 1, c.compression,
+        c.target_params,
+        cfg,
+        state.target_kv,
+        hist_d,
+        state.pos,
+        width + 1,
+        c.compression,
         prop.hidden_layers,
-    )  # fmt: skip
+    )
     pad = k - width  # speculative_sample takes [B, K + 1] logits; columns past L are unread
     logits = jnp.concatenate([o.logits] + [o.logits[:, -1:]] * pad, axis=1).astype(jnp.float32)
     emitted, acc = speculative_sample(
-        d.verify_key, p.drafts, p.q, knob_probs(c.knobs)(logits), d.verify_len
+        d.verify_key, p.drafts, p.q, probs_fn(c.sampling)(logits), d.verify_len
     )
     return _advance(c, state, st, o, emitted, acc, p.confidence, d.verify_len, d.rng)
 
@@ -291,10 +321,16 @@ def _plain_round(c: Ctx, state: State, st: Static, key, rng, confidence) -> Stat
     """A round with no drafts: one plain decode step of the target (and the proposer's
     `observe` of that slot)."""
     o = extend_output(
-        c.target_params, st.target_cfg, state.target_kv, state.history, state.pos, 1,
-        c.compression, st.proposer.hidden_layers,
-    )  # fmt: skip
-    tok = sample_probs(key, knob_probs(c.knobs)(o.logits[:, 0].astype(jnp.float32)))
+        c.target_params,
+        st.target_cfg,
+        state.target_kv,
+        state.history,
+        state.pos,
+        1,
+        c.compression,
+        st.proposer.hidden_layers,
+    )
+    tok = sample_probs(key, probs_fn(c.sampling)(o.logits[:, 0].astype(jnp.float32)))
     b = state.pos.shape[0]
     zeros = jnp.zeros((b,), jnp.int32)
     return _advance(c, state, st, o, tok[:, None], zeros, confidence, zeros, rng)

@@ -8,15 +8,17 @@ prefix (in descending order) whose mass reaches top_p, keep tokens whose probabi
 least min_p times the most likely one's, renormalise.
 Temperature 0 is greedy: a one-hot distribution on the argmax (first index on ties).
 
-Every knob may be a Python number or a traced array (scalar or per-row [B]), so one jitted
-sampler serves all settings; Python numbers are checked and bad values raise ValueError.
-Concrete knobs also fix a `SamplingPlan` at trace time: the stages they turn off (greedy
-rows' draw, the sort of top-k / top-p, min-p's mask) are not traced at all, with the same
-result bit for bit; traced knobs keep every stage (the sort behind a runtime `lax.cond`).
+The settings are one value, `SamplingParams` (checked when built: bad values raise ValueError
+naming the value). Every field may be a Python number or an array (scalar or per-row [B], traced
+inside a jit), so one jitted sampler serves all settings. Concrete settings also fix a
+`SamplingPlan` at trace time: the stages they turn off (greedy rows' draw, the sort of top-k /
+top-p, min-p's mask) are not traced at all, with the same result bit for bit; traced settings
+keep every stage (the sort behind a runtime `lax.cond`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -33,21 +35,72 @@ def _concrete(value) -> np.ndarray | None:
     return np.asarray(value)
 
 
-def check_sampling_args(
-    temperature: Scalar, top_k: Scalar, top_p: Scalar, min_p: Scalar = 0.0
-) -> None:
-    """Raise ValueError for temperature < 0 (or not finite), top_k < 0, top_p outside (0, 1],
-    min_p outside [0, 1]. Traced values cannot be checked and are let through.
+def _check_number(name: str, value) -> np.ndarray | None:
+    """The value as a numpy array (None while traced); ValueError unless it is numeric."""
+    got = _concrete(value)
+    if got is not None and (isinstance(value, str) or got.dtype.kind not in "biuf"):
+        raise ValueError(f"{name}={value!r} must be a number or a numeric array")
+    return got
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a next token is drawn from logits (`sampling_probs`), one value for every decoder.
+
+    temperature: >= 0 and finite (0 = greedy: the argmax); top_k: >= 0 (0 = off);
+    top_p: in (0, 1] (1 = off); min_p: in [0, 1] (0 = off). Each a Python number or an array,
+    scalar or per-row [B]. Checked when built: a bad value raises ValueError naming it; traced
+    values cannot be checked and are let through. A JAX pytree of its four fields, so a jitted
+    decoding loop takes it as a traced argument (`as_arrays`: one compilation for all).
+    The default is greedy decoding.
     """
-    t, k, p, m = _concrete(temperature), _concrete(top_k), _concrete(top_p), _concrete(min_p)
-    if t is not None and not (np.all(np.isfinite(t)) and np.all(t >= 0)):
-        raise ValueError(f"temperature={temperature} must be finite and >= 0 (0 = greedy)")
-    if k is not None and not np.all(k >= 0):
-        raise ValueError(f"top_k={top_k} must be >= 0 (0 = off)")
-    if p is not None and not np.all((p > 0) & (p <= 1)):
-        raise ValueError(f"top_p={top_p} must be in (0, 1] (1 = off)")
-    if m is not None and not np.all((m >= 0) & (m <= 1)):
-        raise ValueError(f"min_p={min_p} must be in [0, 1] (0 = off)")
+
+    temperature: Scalar = 0.0
+    top_k: Scalar = 0
+    top_p: Scalar = 1.0
+    min_p: Scalar = 0.0
+
+    def __post_init__(self) -> None:
+        t = _check_number("temperature", self.temperature)
+        k = _check_number("top_k", self.top_k)
+        p = _check_number("top_p", self.top_p)
+        m = _check_number("min_p", self.min_p)
+        if t is not None and not (np.all(np.isfinite(t)) and np.all(t >= 0)):
+            raise ValueError(f"temperature={self.temperature} must be finite and >= 0 (0 = greedy)")
+        if k is not None and not np.all(k >= 0):
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+        if p is not None and not np.all((p > 0) & (p <= 1)):
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 = off)")
+        if m is not None and not np.all((m >= 0) & (m <= 1)):
+            raise ValueError(f"min_p={self.min_p} must be in [0, 1] (0 = off)")
+
+    def as_arrays(self) -> SamplingParams:
+        """The same settings as arrays (float32 temperature, int32 top_k, float32 top_p and
+        min_p), so a jitted decoding loop traces them instead of compiling per value."""
+        return _from_fields(
+            jnp.asarray(self.temperature, jnp.float32),
+            jnp.asarray(self.top_k, jnp.int32),
+            jnp.asarray(self.top_p, jnp.float32),
+            jnp.asarray(self.min_p, jnp.float32),
+        )
+
+
+def _from_fields(temperature, top_k, top_p, min_p) -> SamplingParams:
+    """A SamplingParams without the check: the pytree's rebuild (its leaves may be tracers,
+    placeholders or None inside JAX transformations)."""
+    out = object.__new__(SamplingParams)
+    for name, value in zip(_FIELDS, (temperature, top_k, top_p, min_p), strict=True):
+        object.__setattr__(out, name, value)
+    return out
+
+
+_FIELDS = ("temperature", "top_k", "top_p", "min_p")
+jax.tree_util.register_pytree_node(
+    SamplingParams,
+    lambda s: ((s.temperature, s.top_k, s.top_p, s.min_p), None),
+    lambda _, leaves: _from_fields(*leaves),
+)
+GREEDY = SamplingParams()  # the decoders' default: the argmax token
 
 
 def _per_row(value: Scalar, batch_shape: tuple[int, ...], dtype) -> jax.Array:
@@ -74,12 +127,11 @@ class SamplingPlan(NamedTuple):
 GENERAL_PLAN = SamplingPlan()  # nothing known: every stage traced in
 
 
-def sampling_plan(
-    temperature: Scalar, top_k: Scalar = 0, top_p: Scalar = 1.0, min_p: Scalar = 0.0
-) -> SamplingPlan:
-    """The `SamplingPlan` of these knobs: decided from concrete (Python or numpy/jax array)
-    values, scalar or per-row; a traced knob leaves its stage on (greedy None)."""
-    t, k, p, m = _concrete(temperature), _concrete(top_k), _concrete(top_p), _concrete(min_p)
+def sampling_plan(sampling: SamplingParams) -> SamplingPlan:
+    """The `SamplingPlan` of these settings: decided from concrete (Python or numpy/jax array)
+    values, scalar or per-row; a traced setting leaves its stage on (greedy None)."""
+    t, k = _concrete(sampling.temperature), _concrete(sampling.top_k)
+    p, m = _concrete(sampling.top_p), _concrete(sampling.min_p)
     greedy = None
     if t is not None and np.all(t <= 0):
         return SamplingPlan(greedy=True, top_k=False, top_p=False, min_p=False)
@@ -94,13 +146,7 @@ def sampling_plan(
 
 
 def sampling_probs(
-    logits_BxV: jax.Array,
-    temperature: Scalar = 1.0,
-    top_k: Scalar = 0,
-    top_p: Scalar = 1.0,
-    min_p: Scalar = 0.0,
-    *,
-    plan: SamplingPlan | None = None,
+    logits_BxV: jax.Array, sampling: SamplingParams, *, plan: SamplingPlan | None = None
 ) -> jax.Array:
     """The sampling distribution, float32 [B, V] (rows sum to 1).
 
@@ -110,24 +156,23 @@ def sampling_probs(
     softmax(z)_v >= min_p max softmax(z), i.e. z_v >= z_max + log(min_p) (all if min_p = 0);
     `probs = softmax(z over kept)`. Works on any leading shape [..., V].
     Ties are ordered by token id, so exactly top_k tokens survive top-k.
-    plan: the stages to trace (default `sampling_plan` of the knobs, so Python-number knobs
-    skip the stages they turn off); a plan must be true of the knobs' values.
+    plan: the stages to trace (default `sampling_plan(sampling)`, so Python-number settings
+    skip the stages they turn off); a plan must be true of the settings' values.
     """
-    check_sampling_args(temperature, top_k, top_p, min_p)
-    plan = sampling_plan(temperature, top_k, top_p, min_p) if plan is None else plan
+    plan = sampling_plan(sampling) if plan is None else plan
     logits = logits_BxV.astype(jnp.float32)
     batch_shape, v = logits.shape[:-1], logits.shape[-1]
     if plan.greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
-    t = _per_row(temperature, batch_shape, jnp.float32)
+    t = _per_row(sampling.temperature, batch_shape, jnp.float32)
     greedy = t <= 0
     z = logits / (t if plan.greedy is False else jnp.where(greedy, 1.0, t))
     keep = None
     if plan.top_k or plan.top_p:
-        keep = _top_k_top_p_keep(z, top_k, top_p, plan)
+        keep = _top_k_top_p_keep(z, sampling.top_k, sampling.top_p, plan)
     if plan.min_p:
         # min-p in log space: the most likely token always survives, so order does not matter.
-        m = _per_row(min_p, batch_shape, jnp.float32)
+        m = _per_row(sampling.min_p, batch_shape, jnp.float32)
         z_max = jnp.max(z, axis=-1, keepdims=True)
         keep_m = (m <= 0) | (z >= z_max + jnp.log(jnp.maximum(m, 1e-30)))
         keep = keep_m if keep is None else keep & keep_m
@@ -166,23 +211,19 @@ def _top_k_top_p_keep(z, top_k: Scalar, top_p: Scalar, plan: SamplingPlan) -> ja
 def sample_logits(
     rng: jax.Array,
     logits_BxV: jax.Array,
-    temperature: Scalar = 1.0,
-    top_k: Scalar = 0,
-    top_p: Scalar = 1.0,
-    min_p: Scalar = 0.0,
+    sampling: SamplingParams,
     *,
     plan: SamplingPlan | None = None,
 ) -> jax.Array:
-    """One token per row, int32 [B], drawn from `sampling_probs(logits, ..., plan=plan)`.
+    """One token per row, int32 [B], drawn from `sampling_probs(logits, sampling, plan=plan)`.
 
     When every row is greedy (`plan.greedy`), the argmax itself: the inverse-CDF draw of a
     one-hot row always lands on its token, so skipping the draw changes no token.
     """
-    check_sampling_args(temperature, top_k, top_p, min_p)
-    plan = sampling_plan(temperature, top_k, top_p, min_p) if plan is None else plan
+    plan = sampling_plan(sampling) if plan is None else plan
     if plan.greedy:
         return jnp.argmax(logits_BxV.astype(jnp.float32), axis=-1).astype(jnp.int32)
-    probs_BxV = sampling_probs(logits_BxV, temperature, top_k, top_p, min_p, plan=plan)
+    probs_BxV = sampling_probs(logits_BxV, sampling, plan=plan)
     return sample_probs(rng, probs_BxV)
 
 
@@ -204,23 +245,7 @@ def sample_probs(rng: jax.Array, probs_BxV: jax.Array) -> jax.Array:
     return jnp.minimum(tok, last).astype(jnp.int32)
 
 
-Knobs = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
-
-
-def sampling_knobs(temperature: Scalar, top_k: Scalar, top_p: Scalar, min_p: Scalar) -> Knobs:
-    """Checked (`check_sampling_args`) settings as arrays (temperature, top_k, top_p, min_p),
-    so a jitted decoding loop takes them as traced arguments: one compilation for all."""
-    check_sampling_args(temperature, top_k, top_p, min_p)
-    dtypes = (jnp.float32, jnp.int32, jnp.float32, jnp.float32)
-    return tuple(
-        jnp.asarray(x, dt) for x, dt in zip((temperature, top_k, top_p, min_p), dtypes, strict=True)
-    )
-
-
-def knob_probs(knobs: Knobs, plan: SamplingPlan | None = None):
-    """`logits -> sampling_probs(logits, *knobs)`: the one law both q and p are built with.
-    plan: as in `sampling_probs` (default: from the knobs, all stages when they are traced)."""
-    t, k, p, m = knobs
-    return lambda logits: sampling_probs(
-        logits, temperature=t, top_k=k, top_p=p, min_p=m, plan=plan
-    )
+def probs_fn(sampling: SamplingParams, plan: SamplingPlan | None = None):
+    """`logits -> sampling_probs(logits, sampling)`: the one law both q and p are built with.
+    plan: as in `sampling_probs` (default: from the settings, all stages when traced)."""
+    return lambda logits: sampling_probs(logits, sampling, plan=plan)

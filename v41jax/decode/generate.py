@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from v41jax.config import ModelConfig
+from v41jax.decode.sampling import GREEDY, SamplingParams, sample_logits, sampling_plan
 from v41jax.engram import ngram_hash_ids_jax, ngram_hash_ids_step, roll_window
 from v41jax.model.attention import KVCache
 from v41jax.model.layout import layer_segments
-from v41jax.model.sampling import Scalar, check_sampling_args, sample_logits, sampling_plan
 from v41jax.model.transformer import Transformer, engram_ids_key
 
 
@@ -175,42 +175,35 @@ def generate(
     prompt_lengths_B: jax.Array,
     *,
     max_new_tokens: int,
-    temperature: Scalar = 0.0,
-    top_k: Scalar = 0,
-    top_p: Scalar = 1.0,
-    min_p: Scalar = 0.0,
+    sampling: SamplingParams = GREEDY,
     rng: jax.Array | None = None,
     eos_id: int | None = None,
     compression: Any = None,
 ) -> jax.Array:
     """Continue each right-padded prompt by `max_new_tokens` tokens: int32 [B, max_new_tokens].
 
-    Sampling as in `sample_logits` (temperature 0 = greedy; top_k, top_p, min_p; rng default
+    Each token is drawn as `sample_logits(key, logits, sampling)` (default greedy; rng default
     key 0). After a row emits `eos_id` it keeps emitting `eos_id`. `compression` (int32 [V],
     the tokenizer's compression table) is required when the model has Engram layers. Raises
     ValueError when lengths are outside [1, P] or max(lengths) + max_new_tokens >
     cfg.max_seq_len.
     """
     _check_generate_args(cfg, tuple(prompt_tokens_BxP.shape), prompt_lengths_B, max_new_tokens)
-    check_sampling_args(temperature, top_k, top_p, min_p)
     check_compression(cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
     rng = jax.random.key(0) if rng is None else rng
-    # Decided here, from the knobs' values while they are still concrete: which sampling
+    # Decided here, from the settings' values while they are still concrete: which sampling
     # stages can matter (greedy: argmax alone; no top-k / top-p: no sort), so the decode loop
-    # traces only those. One compilation per plan; traced knobs get the general one.
-    plan = sampling_plan(temperature, top_k, top_p, min_p)
+    # traces only those. One compilation per plan; traced settings get the general one.
+    plan = sampling_plan(sampling)
     return _generate(
         params,
         cfg,
         jnp.asarray(prompt_tokens_BxP, jnp.int32),
         jnp.asarray(prompt_lengths_B, jnp.int32),
         rng,
-        jnp.asarray(temperature, jnp.float32),
-        jnp.asarray(top_k, jnp.int32),
-        jnp.asarray(top_p, jnp.float32),
-        jnp.asarray(min_p, jnp.float32),
+        sampling.as_arrays(),
         compression,
         max_new_tokens=max_new_tokens,
         eos_id=eos_id,
@@ -225,10 +218,7 @@ def _generate(
     tokens_BxP,
     lengths_B,
     rng,
-    temperature,
-    top_k,
-    top_p,
-    min_p,
+    sampling,
     compression,
     *,
     max_new_tokens,
@@ -236,7 +226,7 @@ def _generate(
     plan,
 ):
     def sample(key, logits_BxV, done_B):
-        tok_B = sample_logits(key, logits_BxV, temperature, top_k, top_p, min_p, plan=plan)
+        tok_B = sample_logits(key, logits_BxV, sampling, plan=plan)
         if eos_id is None:
             return tok_B, done_B
         tok_B = jnp.where(done_B, eos_id, tok_B)

@@ -14,8 +14,9 @@ from flax import linen as nn
 from scipy import stats
 
 from v41jax.config import EngramConfig, ModelConfig
-from v41jax.model import Transformer, generate, init_params, sampling_probs, unscan_tree
-from v41jax.model.speculative import speculative_generate
+from v41jax.decode import SamplingParams, generate, sampling_probs
+from v41jax.decode.speculative import speculative_generate
+from v41jax.model import Transformer, init_params, unscan_tree
 
 TARGET = ModelConfig(
     vocab_size=48,
@@ -80,7 +81,7 @@ def exact_marginals(cfg, params, prompt, n, setting):
             [list(prompt) + list(c) for c in itertools.product(range(v), repeat=i)], np.int32
         )
         logits = Transformer(cfg).apply({"params": params}, jnp.asarray(seqs)).logits[:, -1]
-        cond = np.asarray(sampling_probs(logits, **setting), np.float64)  # [v^i, v]
+        cond = np.asarray(sampling_probs(logits, setting), np.float64)  # [v^i, v]
         joint = prefix_probs[:, None] * cond
         marginals.append(joint.sum(axis=0))
         prefix_probs = joint.reshape(-1)
@@ -95,7 +96,7 @@ def test_sampled_output_follows_the_target_law():
     small_d = dataclasses.replace(DRAFT, vocab_size=8)
     tp = nn.unbox(init_params(small, jax.random.key(3)))
     dp = {k: v for k, v in unscan_tree(tp, small.num_layers).items() if k != "block_1"}
-    setting = dict(temperature=1.0, top_k=6)
+    setting = SamplingParams(temperature=1.0, top_k=6)
     prompt = [1, 5, 2]
     b, n = 20_000, 3
     want = exact_marginals(small, tp, prompt, n, setting)
@@ -109,9 +110,11 @@ def test_sampled_output_follows_the_target_law():
         max_new_tokens=n,
         num_draft=2,
         rng=jax.random.key(4),
-        **setting,
+        sampling=setting,
     )
-    draft_only = generate(dp, small_d, *args, max_new_tokens=n, rng=jax.random.key(5), **setting)
+    draft_only = generate(
+        dp, small_d, *args, max_new_tokens=n, rng=jax.random.key(5), sampling=setting
+    )
     counts = np.asarray(out.accepted_counts).sum(axis=0)
     assert counts[0] > 0 and counts[1:].sum() > 0
     for i in range(n):
@@ -155,7 +158,7 @@ def test_engram_models_decode_speculatively():
         (dict(num_draft=0), "num_draft"),
         (dict(max_new_tokens=60), "exceeds the smaller max_seq_len"),
         (dict(draft_cfg=dataclasses.replace(DRAFT, vocab_size=40)), "vocab_size"),
-        (dict(top_p=0.0), "top_p"),
+        (dict(sampling=dict(top_p=0.0)), "top_p"),
     ],
 )
 def test_bad_arguments_are_named(change, match):
@@ -165,4 +168,6 @@ def test_bad_arguments_are_named(change, match):
     kwargs.update(change)
     draft_cfg = kwargs.pop("draft_cfg")
     with pytest.raises(ValueError, match=match):
+        if "sampling" in kwargs:
+            kwargs["sampling"] = SamplingParams(**kwargs["sampling"])
         speculative_generate(tp, TARGET, dp, draft_cfg, toks, lens, **kwargs)

@@ -1,4 +1,4 @@
-"""The machine side of the device check (`v41jax.bench.device_check`): what JAX sees in a
+"""The machine side of the device check (`scripts/device_check.py`): what JAX sees in a
 fresh process, host facts (versions, nvidia-smi), wheels carried to an offline machine, and
 a command runner whose timeout kills the whole process group.
 
@@ -17,7 +17,7 @@ import time
 import zipfile
 from importlib import metadata
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # scripts/.. = the checkout
 TAIL_CHARS = 4000
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "chex", "numpy", "pytest")
 # The probe runs in a fresh interpreter with the stages' environment: `platform` is the

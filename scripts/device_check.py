@@ -16,8 +16,9 @@ Without an accelerator (the probe's `jax.default_backend()` is cpu, e.g. JAX_PLA
 it prints the plan and exits 0. Nothing is downloaded: wheels missing from this Python are
 installed from the checkout's `.whl/` folder (`pip install --no-index --no-deps --target`),
 and only those whose distribution is not installed already (a preinstalled jax wins).
-It and `device_env` import only the standard library, so they run before any wheel is
-installed.
+It and `device_env` (beside it in scripts/) import only the standard library, so they run
+before any wheel is installed; neither is part of the v41jax package (nothing there imports
+them): `scripts/device_check.sh` runs this file as a script.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from v41jax.bench.device_env import (
+from device_env import (  # scripts/device_env.py: run as a script, its folder is on sys.path
     ROOT,
     host_info,
     install_wheels,

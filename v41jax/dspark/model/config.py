@@ -34,10 +34,11 @@ class DrafterConfig:
     window: context positions a draft block sees: anchor_pos - window <= s < anchor_pos.
     markov_rank: rank r of the transition term u(x_{k-1}) . w(v); 0 turns it off.
     markov_context: H > 0 makes the transition vector read draft position k's hidden state
-        too (`v41jax.dspark.markov`: u_k = u(x_{k-1}) + gelu(hidden_k h + t(x_{k-1})) o,
+        too (`v41jax.dspark.model.markov`: u_k = u(x_{k-1}) + gelu(hidden_k h + t(x_{k-1})) o,
         an MLP of width H); 0 = the plain low-rank transition.
     d_ff: SwiGLU width of the drafter blocks; 0 -> the target's d_ff.
-    confidence_input: what the confidence head reads (`v41jax.dspark.drafter.draft_confidence`,
+    confidence_input: what the confidence head reads
+        (`v41jax.dspark.model.drafter.draft_confidence`,
         docs/dspark.md section 3). "hidden": c_k = sigmoid(w . hidden_k + b), fixed before any
         draft is sampled, so any function of the confidences may pick the verify length.
         "prev_token" (the DSpark paper's head, arXiv 2607.05147): c_k = sigmoid(w . [hidden_k ;
