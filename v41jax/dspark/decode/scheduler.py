@@ -43,7 +43,7 @@ row verifies w drafts (as this repository's engine does), so
 over w = 1 .. K, the same argmax and min_gain fallback, verify_len = w for every row. It is
 the budget rule applied to the slots a padded engine actually verifies: "padded" counts only
 the n largest survivals, under-counting wide rounds (on the DSpark experiment's logged rounds
-its choices earned 0.997x the best fixed length, "width" 1.000x; `v41jax.dspark.replay`).
+its choices earned 0.997x the best fixed length, "width" 1.000x; `v41jax.dspark.train.replay`).
 
 Width 0 (basis "width" only): when the cost table has an entry at exactly B tokens (a round
 that verifies nothing: one plain decode step, no drafter pass), w = 0 is a candidate too, with
