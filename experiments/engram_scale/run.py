@@ -38,10 +38,10 @@ import report  # noqa: E402
 from v41jax.decode import generate  # noqa: E402
 from v41jax.engram import table_optim  # noqa: E402
 from v41jax.engram.primes import stored_table_rows  # noqa: E402
+from v41jax.engram.training.file_arrays import table_dir  # noqa: E402
 from v41jax.sharding import make_mesh  # noqa: E402
 from v41jax.sweep import experiment_dirs, record_setting  # noqa: E402
 from v41jax.train import load_run, train  # noqa: E402
-from v41jax.train.file_tables import table_dir  # noqa: E402
 from v41jax.train.metrics import read_metrics  # noqa: E402
 from v41jax.train.state import make_state_fns  # noqa: E402
 

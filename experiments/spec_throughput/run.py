@@ -37,7 +37,8 @@ import config as C  # noqa: E402
 from v41jax.bench.common import time_call  # noqa: E402
 from v41jax.data import load_data  # noqa: E402
 from v41jax.decode import SamplingParams, generate, sampling_probs, speculative_generate  # noqa: E402
-from v41jax.decode.speculative import extend  # noqa: E402
+from v41jax.decode.engine import extend_output  # noqa: E402
+from v41jax.decode.generate import init_cache  # noqa: E402
 from v41jax.speculative import (  # noqa: E402
     expected_tokens_per_round,
     speculative_sample,
@@ -135,11 +136,7 @@ def step_costs(run, b: int, t_max: int, temperature: float, repeats: int, steps:
     `lax.scan` that carries the cache, as decoding does: a standalone call would also copy
     the whole KV cache, which the decoding loops update in place."""
     cfg = run.cfg.model
-    shape = (b, cfg.max_seq_len, cfg.num_kv_heads, cfg.resolved_head_dim)
-    kv = [
-        {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
-        for _ in range(cfg.num_layers)
-    ]
+    kv = init_cache(cfg, b)
     history = jnp.ones((b, cfg.max_seq_len), jnp.int32)
     out = {}
     for t in range(1, t_max + 1):
@@ -148,7 +145,8 @@ def step_costs(run, b: int, t_max: int, temperature: float, repeats: int, steps:
         def loop(t, params, kv, history):
             def body(kv, i):
                 start = jnp.full((b,), 64, jnp.int32) + i * t
-                logits, kv = extend(params, cfg, kv, history, start, t)
+                out = extend_output(params, cfg, kv, history, start, t)
+                logits, kv = out.logits.astype(jnp.float32), out.cache
                 return kv, sampling_probs(logits, SamplingParams(temperature))[:, 0, 0]
 
             return jax.lax.scan(body, kv, jnp.arange(steps))[1]

@@ -17,10 +17,10 @@ from v41jax import config as config_lib
 from v41jax.decode import generate
 from v41jax.engram.host_rows import HostRows
 from v41jax.engram.table_file import TableFile
+from v41jax.engram.training.file_arrays import _at_snapshot, open_table_files, table_dir
+from v41jax.engram.training.host import HostTables
 from v41jax.model import engram_ids_key
 from v41jax.train import load_run, train
-from v41jax.train.file_tables import _at_snapshot, open_table_files, table_dir
-from v41jax.train.host_tables import HostTables
 
 SETS = [
     "model.num_layers=3",

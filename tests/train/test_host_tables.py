@@ -15,10 +15,10 @@ import pytest
 from v41jax import config as config_lib
 from v41jax.decode import generate
 from v41jax.engram.host_rows import HostRows
+from v41jax.engram.training.host import HostTables
 from v41jax.model import engram_rows_key
 from v41jax.sharding import make_mesh
 from v41jax.train import evaluate_run, load_run, train
-from v41jax.train.host_tables import HostTables
 from v41jax.train.state import make_state_fns
 
 SETS = [

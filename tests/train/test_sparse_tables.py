@@ -14,17 +14,17 @@ from flax import traverse_util
 
 from v41jax import config as config_lib
 from v41jax.data import prepare_data
-from v41jax.sharding import make_mesh
-from v41jax.train import load_run, train
-from v41jax.train.batches import add_engram_ids
-from v41jax.train.loop import resolve_data_dependent
-from v41jax.train.sparse_tables import (
+from v41jax.engram.training.sparse import (
     gather_rows,
     merge_tables,
     row_shard_plans,
     split_tables,
     with_rows,
 )
+from v41jax.sharding import make_mesh
+from v41jax.train import load_run, train
+from v41jax.train.batches import add_engram_ids
+from v41jax.train.loop import resolve_data_dependent
 from v41jax.train.state import make_state_fns
 from v41jax.train.step import _forward_loss
 

@@ -19,7 +19,7 @@ prefetch with block 1); whether it overlaps is the runtime's choice, and the dec
 benchmark (`python -m v41jax.bench host_decode`) measures the cost either way.
 
 The table is read-only here: decoding and evaluation. Training with host tables gathers the
-rows in the input pipeline instead (`v41jax.train.host_tables`), where the optimizer's
+rows in the input pipeline instead (`v41jax.engram.training.host`), where the optimizer's
 updates are ordered with the prefetch. The callback runs on one host: under a multi-device
 mesh XLA brings the ids to one device for it.
 """

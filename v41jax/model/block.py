@@ -40,6 +40,12 @@ from flax import linen as nn
 from v41jax.config import ModelConfig, ParamGroup
 from v41jax.engram import Engram
 from v41jax.engram.params import table_param_group
+from v41jax.engram.tree_keys import (  # noqa: F401 (the model's public names: `transformer`)
+    ENGRAM_IDS_PREFIX,
+    ENGRAM_ROWS_PREFIX,
+    engram_ids_key,
+    engram_rows_key,
+)
 from v41jax.mhc import MHCResidual, composite_gain, reduce_streams
 from v41jax.mhc.layer import NormScale, SinglePassState, single_pass_materialize
 from v41jax.model.attention import Attention, AttentionLayout, KVCache
@@ -50,10 +56,6 @@ from v41jax.model.remat import ATTN_OUT, FFN_OUT, tag
 
 RESIDUAL_AXES = ("batch", "length", "act_embed")
 STREAM_AXES = ("batch", "length", "act_streams", "act_embed")  # mHC state [B, T, n, C]
-ENGRAM_IDS_PREFIX = "engram_ids_"
-# Row-sparse training and host tables: the layer's rows read outside the model, [U, head_dim];
-# its `engram_ids_<layer>` then hold slots into them (v41jax.engram.table_optim.unique_rows).
-ENGRAM_ROWS_PREFIX = "engram_rows_"
 
 
 # One block's feature values for the model's output, {} for a plain block:
@@ -88,17 +90,6 @@ def feature_param_groups(cfg: ModelConfig) -> tuple[ParamGroup, ...]:
     """The optimizer groups the features ask for, to go first (first match wins) before the
     run's own `optim.param_groups`: Engram's tables (`table_param_group`). () for none."""
     return (table_param_group(cfg.engram),) if cfg.engram.enabled else ()
-
-
-def engram_ids_key(layer: int) -> str:
-    """Key in `extras` (and in training batches) of layer `layer`'s Engram hash ids
-    int32 [B, T, (max_ngram_size - 1) * n_head_per_ngram]."""
-    return f"{ENGRAM_IDS_PREFIX}{layer}"
-
-
-def engram_rows_key(layer: int) -> str:
-    """Extras key of layer `layer`'s pre-gathered Engram rows (`ENGRAM_ROWS_PREFIX`)."""
-    return f"{ENGRAM_ROWS_PREFIX}{layer}"
 
 
 class BlockInputs(NamedTuple):

@@ -20,18 +20,7 @@ from v41jax.config import ModelConfig
 from v41jax.engram.host_rows import HostRows
 from v41jax.engram.host_table import HostTable
 from v41jax.engram.primes import stored_table_rows
-
-TABLE_LEAF = ("engram", "table")
-
-
-def engram_table_paths(params) -> dict[int, tuple]:
-    """{Engram layer index: path of its table in `params`} (paths end in engram/table;
-    Engram layers are never stacked, so the path's block is "block_<layer>")."""
-    out = {}
-    for path in traverse_util.flatten_dict(params):
-        if path[-2:] == TABLE_LEAF:
-            out[int(str(path[-3]).rsplit("_", 1)[-1])] = path
-    return out
+from v41jax.engram.tree_keys import TABLE_LEAF, engram_table_paths
 
 
 def engram_tables(params) -> dict[int, object]:

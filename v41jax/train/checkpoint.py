@@ -13,7 +13,7 @@ arrays are copied off the device, and orbax writes them in a background thread w
 training continues; the next save, `wait` and `close` wait for it. A step is on disk only
 when it is complete in that sense (what `latest_checkpoint_step` reads), so a
 SIGKILL during a background write resumes from the previous checkpoint, exactly. Saves that
-carry host tables (numpy arrays the next steps update in place) are waited for.
+carry a table item (numpy arrays the next steps update in place) are waited for.
 
 A damaged step (a file cut short or lost after it was written) is found when its restore
 raises and `damage` cannot read part of it back on its own terms: `restore_newest_intact`
@@ -39,7 +39,10 @@ import orbax.checkpoint as ocp
 from v41jax.model.layout import convert_layout, layout_of, segments_of
 from v41jax.train.workdir import as_path, is_local
 
-ITEMS = ("state", "data")  # every step has these; "host_tables" only some
+ITEMS = ("state", "data")  # every step has these; TABLES_ITEM only some
+# Arrays the run's Engram table strategy keeps outside the state (`TableStrategy.checkpoint`);
+# the name is the saved layout (old checkpoints), not a statement about placement
+TABLES_ITEM = "host_tables"
 NAMED_ARRAYS = 3  # unreadable arrays named in a message; the rest are counted
 
 
@@ -85,8 +88,8 @@ class Checkpointer:
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
                 "data": ocp.JsonCheckpointHandler(),
-                # Engram tables in host memory (numpy) and their optimizer states
-                "host_tables": ocp.StandardCheckpointHandler(),
+                # numpy arrays of the table strategy (`v41jax.engram.training`)
+                TABLES_ITEM: ocp.StandardCheckpointHandler(),
             },
         )
 
@@ -96,15 +99,15 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def save(self, step: int, state: Any, data_state: dict, host_tables: Any = None) -> None:
-        """host_tables: numpy tree (`HostTables.state_dict()`) saved in the same step."""
+    def save(self, step: int, state: Any, data_state: dict, tables: Any = None) -> None:
+        """tables: numpy tree (`TableStrategy.checkpoint`) saved in the same step."""
         if step in self.manager.all_steps():
             return
         items = {"state": ocp.args.StandardSave(state), "data": ocp.args.JsonSave(data_state)}
-        if host_tables is not None:
-            items["host_tables"] = ocp.args.StandardSave(host_tables)
+        if tables is not None:
+            items[TABLES_ITEM] = ocp.args.StandardSave(tables)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
-        if host_tables is not None:  # numpy arrays the next steps update in place
+        if tables is not None:  # numpy arrays the next steps update in place
             self.manager.wait_until_finished()
 
     def wait(self) -> None:
@@ -152,12 +155,12 @@ class Checkpointer:
         tree = self.saved_tree(step)
         return tree.get("params") if isinstance(tree, dict) else getattr(tree, "params", None)
 
-    def restore_host_tables(self, step: int, like: Any) -> Any:
-        """The numpy tree `save(..., host_tables=)` wrote at `step`, shaped like `like`."""
+    def restore_tables(self, step: int, like: Any) -> Any:
+        """The numpy tree `save(..., tables=)` wrote at `step`, shaped like `like`."""
         restored = self.manager.restore(
-            step, args=ocp.args.Composite(host_tables=ocp.args.StandardRestore(like))
+            step, args=ocp.args.Composite(**{TABLES_ITEM: ocp.args.StandardRestore(like)})
         )
-        return restored["host_tables"]
+        return restored[TABLES_ITEM]
 
     def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         restored = self.manager.restore(
@@ -182,7 +185,7 @@ class Checkpointer:
         present = {p.name for p in directory.iterdir()} if directory.exists() else set()
         if missing := [i for i in ITEMS if i not in present]:
             return f"{directory} lacks its {' and '.join(missing)} item"
-        for item in ("data", "state", "host_tables"):
+        for item in ("data", "state", TABLES_ITEM):
             if item in present and (problem := self._item_damage(step, item, error)):
                 return problem
         return None
@@ -254,8 +257,8 @@ class Checkpointer:
         as it is: older steps would fail alike. When every step tried is damaged:
         DamagedCheckpointError naming each, nothing moved.
 
-        `restore` should read everything the caller takes from the step (the state and any
-        host tables), so that all of it comes from the one step that restored."""
+        `restore` should read everything the caller takes from the step (the state and any table
+        item), so that all of it comes from the one step that restored."""
         damaged: list[tuple[int, str]] = []
         for step in sorted(self.all_steps() if steps is None else steps, reverse=True):
             try:

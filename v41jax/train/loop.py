@@ -33,13 +33,13 @@ import numpy as np
 from v41jax import config as config_lib
 from v41jax.config import Config
 from v41jax.data import BatchIterator, PreparedData, eval_batches, load_data
+from v41jax.engram.training import table_strategy
 from v41jax.model import convert_layout, layer_segments
 from v41jax.model.attach import attach_new_modules
 from v41jax.model.host_params import host_table_arrays
 from v41jax.sharding import batch_shards, make_mesh
 from v41jax.train import run_files
 from v41jax.train.batches import PrefetchingBatches, add_engram_ids
-from v41jax.train.host_tables import host_step, start_host_tables, uses_host_tables
 from v41jax.train.observe import Profiler, flops_metrics
 from v41jax.train.resume import (
     COMPUTE_ONLY_MODEL_FIELDS,
@@ -50,8 +50,7 @@ from v41jax.train.resume import (
 from v41jax.train.run import Run
 from v41jax.train.run_files import write_run_files
 from v41jax.train.runs import LoadedRun, load_run
-from v41jax.train.sparse_tables import split_tables
-from v41jax.train.state import make_state_fns
+from v41jax.train.state import init_table_arrays, make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
 from v41jax.train.steploop import Cadence, run_steps
 from v41jax.train.workdir import as_path, check_local_features
@@ -159,7 +158,8 @@ def _with_saved_vocab(cfg: Config, saved: Config) -> Config:
 
 def _init_source(cfg: Config) -> LoadedRun:
     """The run train.init_from names, checked against the new run's model."""
-    source = load_run(cfg.train.init_from, tables="host" if uses_host_tables(cfg) else "device")
+    outside = table_strategy(cfg).outside_params  # the new run keeps its tables outside
+    source = load_run(cfg.train.init_from, tables="host" if outside else "device")
     # How the params are computed with (scan, remat, attention path) may differ; the params
     # themselves may not, except for their layer layout, which is converted.
     free = {k: getattr(cfg.model, k) for k in COMPUTE_ONLY_MODEL_FIELDS}
@@ -238,25 +238,26 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
     )
     run = Run(workdir, cfg.train.keep_checkpoints, asynchronous=cfg.train.async_checkpoints)
     checkpointer = run.checkpointer() if latest is not None else None
-    resumed, host, source_tables = None, None, None
+    # where the Engram tables live (`v41jax.engram.training`): chosen once, driven from here
+    tables = table_strategy(cfg)
+    init_tables = functools.partial(init_table_arrays, cfg)
+    resumed, source_tables = None, None
     if checkpointer is not None:  # the newest checkpoint that reads (a damaged one is named
         # and set aside), restored before the run's files are written: config_changes.jsonl
         # names the step resumed from, and a refused restore leaves the workdir's files as
         # they were
 
-        def restore(step: int) -> tuple:  # Engram host tables from the same step as the state
+        def restore(step: int) -> tuple:  # the tables from the same step as the state
             state, extra = checkpointer.restore(step, abstract)
-            tables = None
-            if uses_host_tables(cfg):
-                tables = start_host_tables(cfg, checkpointer, step, None, os.fspath(workdir))
-            return state, extra, tables
+            tables.open(checkpointer, step, os.fspath(workdir), init_tables)
+            return state, extra
 
         resumed = checkpointer.restore_newest_intact(restore, set_aside=True, quiet=not main)
         if resumed is not None:
             iterator.restore(resumed[1][1]["iterator"])  # refuses data changed under the run
     write_run_files(cfg, workdir, data, changes, None if resumed is None else resumed[0])
     if resumed is not None:
-        start, (state, _, host) = resumed
+        start, (state, _) = resumed
         if main:
             if changes:
                 print(f"resuming {workdir} at step {start} with changes: {'; '.join(changes)}")
@@ -271,9 +272,9 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
                 cfg.model.mhc.enabled and not src_model.mhc.enabled
             ):  # new Engram / mHC modules, started at the source's function
                 params = attach_new_modules(params, state.params)
-            if uses_host_tables(cfg):  # the source's tables stay in host memory
+            if tables.outside_params:  # the source's tables stay outside the params
                 source_tables = host_table_arrays(params)
-                params, _ = split_tables(params)
+                params = tables.state_params(params)
             state = state.replace(params=jax.device_put(params, shardings.params))
     if iterator.step != start or int(state.step) != start:
         raise RuntimeError(
@@ -282,15 +283,12 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
         )
     train_step = make_train_step(cfg, mesh, model, optimizer, shardings)
     eval_step = make_eval_step(cfg, mesh, model, shardings.params)
-    prepare = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)
-    if uses_host_tables(cfg):  # rows gathered with the batch, in the prefetch thread
-        if host is None:  # a new run (a resumed one restored them with its state)
-            host = start_host_tables(cfg, checkpointer, start, source_tables, os.fspath(workdir))
-        prepare = lambda b, add=prepare: host.gather(add(b))  # noqa: E731
-        step_fn = functools.partial(host_step, train_step, host, cfg, mesh)
-    else:
-        step_fn = lambda state, b: train_step(state, device_batch(mesh, b))  # noqa: E731
-    batches = PrefetchingBatches(iterator, prepare)
+    add_ids = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)
+    if resumed is None:  # a new run (a resumed one opened them with its state)
+        tables.open(checkpointer, start, os.fspath(workdir), init_tables, source_tables)
+    to_device = functools.partial(device_batch, mesh)
+    step_fn = functools.partial(tables.step, train_step, to_device)
+    batches = PrefetchingBatches(iterator, lambda b: tables.prepare_batch(add_ids(b)))
     # the trained steps' cadence (config.json as it was) finds train lines the log lacks
     trained = Cadence.of((saved or cfg).train)
     log = run.open_log(start, tensorboard=cfg.train.tensorboard, cadence=trained)
@@ -301,11 +299,11 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
     result: dict = {}
 
     def save(step: int) -> None:
-        tables = host.checkpoint(step) if host else None
-        checkpointer.save(step, state, {"iterator": iterator.state()}, tables)
+        saved_tables = tables.checkpoint(step)
+        checkpointer.save(step, state, {"iterator": iterator.state()}, saved_tables)
 
-    def validation() -> list[dict]:  # host tables: the rows as they are now
-        return [host.patch(host.gather(b))[0] for b in val] if host else val
+    def validation() -> list[dict]:  # with the tables as they are now
+        return [tables.eval_batch(b) for b in val]
 
     def body(step: int, bar) -> None:
         nonlocal state, result

@@ -15,14 +15,12 @@ import numpy as np
 from v41jax.config import Config
 from v41jax.data import CompressionTable, Tokenizer
 from v41jax.engram.host_rows import HostRows
-from v41jax.engram.host_table import HostTable
+from v41jax.engram.training import table_strategy
+from v41jax.engram.training.sparse import merge_tables
 from v41jax.model.host_params import tables_on_host
 from v41jax.sharding import make_mesh
 from v41jax.train.checkpoint import Checkpointer
-from v41jax.train.file_tables import read_only_tables, uses_table_files
-from v41jax.train.host_tables import start_host_tables, uses_host_tables
 from v41jax.train.run_files import load_compression, load_tokenizer
-from v41jax.train.sparse_tables import merge_tables
 from v41jax.train.state import make_state_fns
 from v41jax.train.workdir import as_path, is_local, load_config
 
@@ -78,21 +76,13 @@ def load_run(
         raise FileNotFoundError(
             f"no checkpoint of step {step} in {checkpointer.directory} (have {have})"
         )
-    trained_on_host = uses_host_tables(cfg)
-    if trained_on_host and uses_table_files(cfg) and not is_local(workdir):
-        raise ValueError(
-            f"{workdir}: model.engram.table_path={cfg.model.engram.table_path!r} "
-            "tables are memory-mapped local files, and this workdir is not local"
-        )
+    placement = table_strategy(cfg)  # where the run kept its Engram tables while training
+    outside = placement.outside_params
+    placement.check_workdir(workdir, is_local(workdir))
 
-    def restore(s: int) -> tuple:  # the params and the Engram host tables of step s
+    def restore(s: int) -> tuple:  # the params and the tables kept outside them, of step s
         state, _ = checkpointer.restore(s, abstract)
-        if not trained_on_host:
-            return state.params, None
-        if uses_table_files(cfg):  # memory-mapped, as of checkpoint `s`
-            return state.params, read_only_tables(cfg, os.fspath(workdir), s)
-        restored = start_host_tables(cfg, checkpointer, s).tables
-        return state.params, {k: HostTable(t) for k, t in restored.items()}
+        return state.params, placement.decoding_tables(checkpointer, s, os.fspath(workdir))
 
     # read-only: a damaged newest step is named and left in place (`train` sets it aside)
     found = checkpointer.restore_newest_intact(
@@ -104,10 +94,9 @@ def load_run(
     if found is None:
         raise FileNotFoundError(f"no checkpoints in {checkpointer.directory}: train the run first")
     step, (params, host) = found
-    on_host = tables == "host" or (tables == "auto" and trained_on_host)
-    if trained_on_host:  # evaluation and decoding read the tables as params
-        engram = dataclasses.replace(cfg.model.engram, table_placement="device", table_path="")
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
+    on_host = tables == "host" or (tables == "auto" and outside)
+    if outside:  # evaluation and decoding read the tables as params
+        cfg = placement.decoding_config(cfg)
         model, _, _, shardings, _ = make_state_fns(cfg, mesh)
         if on_host:
             params = tables_on_host(params, cfg.model, host)

@@ -12,20 +12,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import linen as nn
 from flax import struct
 from jax.sharding import Mesh
 
 from v41jax import sharding
 from v41jax.config import Config, OptimConfig
+from v41jax.engram.training import table_strategy
+from v41jax.engram.training.sparse import split_tables
 from v41jax.model import Transformer, feature_param_groups, init_inputs
 from v41jax.train.optimizer import make_optimizer, schedule_length
-from v41jax.train.sparse_tables import (
-    init_table_states,
-    split_tables,
-    table_state_shardings,
-    uses_sparse_tables,
-)
 
 
 @struct.dataclass
@@ -56,11 +53,10 @@ def _init_params(model: nn.Module, cfg: Config, rng: jax.Array):
     return model.init(rng, tokens, extras=extras)["params"]
 
 
-def init_host_tables(cfg: Config, seed: int) -> dict:
+def init_table_arrays(cfg: Config, seed: int) -> dict:
     """{Engram layer: table [R, C] numpy} as `init_fn(seed)` would make them on device,
-    computed on the host CPU (`model.engram.table_placement = "host"`)."""
-    import numpy as np
-
+    computed on the host CPU (`TableStrategy.open`'s init_tables, for tables kept outside
+    the params)."""
     model = build_model(cfg)
 
     def tables():
@@ -77,33 +73,27 @@ def make_state_fns(cfg: Config, mesh: Mesh):
 
     init_fn(seed) -> TrainState, jitted with out_shardings = state_shardings.
     abstract_state: TrainState of ShapeDtypeStructs carrying those shardings (for restore).
+    The Engram tables' placement (`v41jax.engram.training`) decides which params the state
+    holds, which of them optax covers and the optimizer state's layout.
     """
     model = build_model(cfg)
-    boxed = jax.eval_shape(lambda: _init_params(model, cfg, jax.random.PRNGKey(0)))
-    sparse, host = uses_sparse_tables(cfg), cfg.model.engram.table_placement == "host"
-    if host:  # the tables live in host memory (v41jax.train.host_tables), not in the state
-        boxed = split_tables(boxed)[0]
-    if sparse:  # tables leave optax; the step clips all gradients itself (sparse_tables)
-        optim_cfg = dataclasses.replace(optimizer_config(cfg), grad_clip=0.0)
-        optimizer = make_optimizer(
-            optim_cfg, schedule_length(cfg), split_tables(nn.unbox(boxed))[0]
-        )
-    else:
-        optimizer = make_optimizer(optimizer_config(cfg), schedule_length(cfg), nn.unbox(boxed))
+    tables = table_strategy(cfg)
+    boxed = tables.state_params(
+        jax.eval_shape(lambda: _init_params(model, cfg, jax.random.PRNGKey(0)))
+    )
+    optimizer = make_optimizer(
+        tables.optax_config(optimizer_config(cfg)),
+        schedule_length(cfg),
+        tables.optax_params(nn.unbox(boxed)),
+    )
 
     def init_opt_state(params):
-        if not sparse:
-            return optimizer.init(params)
-        rest, tables = split_tables(params)
-        kind = cfg.optim.table_optimizer
-        tables = nn.unbox(tables)  # only their shapes are read
-        return {"dense": optimizer.init(rest), "tables": init_table_states(kind, tables)}
+        return tables.init_opt_state(optimizer, params)
 
     def init_state(seed: jax.Array) -> TrainState:
         key = jax.random.PRNGKey(seed)
         params = nn.unbox(_init_params(model, cfg, jax.random.fold_in(key, 0)))
-        if host:  # dropped here, so the compiled init never builds them
-            params = split_tables(params)[0]
+        params = tables.state_params(params)  # tables kept elsewhere are never built here
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
@@ -123,14 +113,9 @@ def make_state_fns(cfg: Config, mesh: Mesh):
             rng=jax.random.PRNGKey(0),
         )
     )
-    state_shardings = sharding.tree_shardings(mesh, abstract_boxed_state)
-    if sparse:  # row-sparse table states take their table's row sharding
-        tables = table_state_shardings(
-            abstract_boxed_state.opt_state["tables"], state_shardings.params
-        )
-        state_shardings = state_shardings.replace(
-            opt_state={**state_shardings.opt_state, "tables": tables}
-        )
+    state_shardings = tables.opt_state_shardings(
+        sharding.tree_shardings(mesh, abstract_boxed_state)
+    )
     init_fn = jax.jit(init_state, static_argnums=(), out_shardings=state_shardings)
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),

@@ -22,13 +22,12 @@ from jax.sharding import Mesh
 
 from v41jax import sharding
 from v41jax.config import Config
-from v41jax.model import ENGRAM_ROWS_PREFIX, engram_rows_key
+from v41jax.engram.training import table_strategy
+from v41jax.model import ENGRAM_ROWS_PREFIX
 from v41jax.model.metric import Metric, metric_values
 from v41jax.train.batches import BASE_BATCH_KEYS, batch_keys
-from v41jax.train.host_tables import uses_host_tables
 from v41jax.train.microbatch import accumulated_grads
 from v41jax.train.optimizer import lr_schedule, module_norms, schedule_length
-from v41jax.train.sparse_tables import host_train_step, sparse_train_step, uses_sparse_tables
 from v41jax.train.state import TrainState
 
 
@@ -87,7 +86,7 @@ def make_train_step(
 
     k = cfg.train.microbatches
 
-    def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    def dense_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         def loss_fn(params, batch=batch):
             return _forward_loss(model, params, batch, z_loss)
 
@@ -103,16 +102,14 @@ def make_train_step(
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         return new_state, metrics
 
-    def forward(params, batch):  # the sparse and host steps take one microbatch: plain values
+    def forward(params, batch):  # a table placement's own step: one microbatch, plain values
         loss, metrics = _forward_loss(model, params, batch, z_loss)
         return loss, metric_values(metrics)
 
-    out_shardings = (state_shardings, sharding.replicated(mesh))
-    if uses_host_tables(cfg):  # rows in, row gradients out: the host updates its tables
-        train_step = host_train_step(cfg, forward, optimizer, schedule)
-        out_shardings = (*out_shardings, sharding.replicated(mesh))
-    elif uses_sparse_tables(cfg):  # Engram tables updated at the rows the batch reads only
-        train_step = sparse_train_step(cfg, forward, optimizer, schedule)
+    # the Engram tables' placement may bring its own step (`v41jax.engram.training`)
+    tables, replicated = table_strategy(cfg), sharding.replicated(mesh)
+    train_step = tables.train_step(dense_step, forward, optimizer, schedule, module_norms)
+    out_shardings = tables.step_out_shardings((state_shardings, replicated), replicated)
 
     jitted = jax.jit(
         train_step,
@@ -139,12 +136,10 @@ def make_eval_step(cfg: Config, mesh: Mesh, model, param_shardings) -> Callable:
 
 
 def _batch_shardings(cfg: Config, mesh: Mesh) -> dict:
-    """Batch entries split over (data, fsdp); host tables' gathered rows are replicated."""
+    """Batch entries split over (data, fsdp), plus the entries the Engram tables' placement
+    adds (`TableStrategy.batch_shardings`: e.g. replicated gathered rows)."""
     out = {k: sharding.batch_sharding(mesh) for k in batch_keys(cfg.model)}
-    if uses_host_tables(cfg):
-        out |= {engram_rows_key(layer): sharding.replicated(mesh)
-                for layer in cfg.model.engram.layer_ids}  # fmt: skip
-    return out
+    return table_strategy(cfg).batch_shardings(out, sharding.replicated(mesh))
 
 
 def _with_mesh(mesh: Mesh, fn: Callable) -> Callable:

@@ -26,9 +26,12 @@ and updates its own shard of the table and of the optimizer state in place
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import optax
+from flax import linen as nn
 from flax import traverse_util
 
 from v41jax import sharding
@@ -41,14 +44,9 @@ from v41jax.engram.sharded_update import (
     sharded_rows,
     sharded_sparse_update,
 )
-from v41jax.model import engram_ids_key, engram_rows_key
-from v41jax.model.host_params import TABLE_LEAF
-from v41jax.model.host_params import engram_table_paths as table_paths
-from v41jax.train.optimizer import module_norms
-
-
-def uses_sparse_tables(cfg: Config) -> bool:
-    return cfg.model.engram.enabled and cfg.optim.table_optimizer != "adam"
+from v41jax.engram.training.device import DeviceTableStrategy
+from v41jax.engram.tree_keys import TABLE_LEAF, engram_ids_key, engram_rows_key
+from v41jax.engram.tree_keys import engram_table_paths as table_paths
 
 
 def split_tables(params):
@@ -121,10 +119,11 @@ def with_rows(batch: dict, gathered: dict, rows_e: dict) -> dict:
 
 
 def _grads_and_dense_update(
-    cfg, forward_loss, optimizer, state, rest, tables, batch, rows_e, owners=None
+    cfg, forward_loss, optimizer, module_norms, state, rest, tables, batch, rows_e, owners=None
 ):
     """Loss gradients of the other params and of the gathered rows, clipped together
     (optax.clip_by_global_norm's rule), and the optax update of the other params.
+    module_norms(prefix, tree) -> {name: norm}: the caller's per-module norm metrics.
 
     owners: {layer: (plan, flat ids)} for per-position rows; their gradients become the
     owners' row gradients (`owner_gradients`) before the norm, returned as {layer: rows}."""
@@ -156,7 +155,7 @@ def _grads_and_dense_update(
     )
 
 
-def host_train_step(cfg: Config, forward_loss, optimizer, schedule):
+def host_train_step(cfg: Config, forward_loss, optimizer, schedule, module_norms):
     """train_step(state, batch) -> (state, metrics, {layer: row gradients [N, C]}) for host
     tables: the batch carries each layer's rows and slots (`HostTables.gather`), the params
     no tables, and the host applies the returned gradients (`HostTables.apply`)."""
@@ -164,7 +163,7 @@ def host_train_step(cfg: Config, forward_loss, optimizer, schedule):
     def train_step(state, batch):
         rows_e = {layer: batch[engram_rows_key(layer)] for layer in cfg.model.engram.layer_ids}
         rest, dense_state, g_rows, metrics, _ = _grads_and_dense_update(
-            cfg, forward_loss, optimizer, state, state.params, {}, batch, rows_e
+            cfg, forward_loss, optimizer, module_norms, state, state.params, {}, batch, rows_e
         )
         new_state = state.replace(
             step=state.step + 1,
@@ -176,11 +175,12 @@ def host_train_step(cfg: Config, forward_loss, optimizer, schedule):
     return train_step
 
 
-def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule):
-    """train_step(state, batch) -> (state, metrics) for `uses_sparse_tables(cfg)` (module doc).
+def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule, module_norms):
+    """train_step(state, batch) -> (state, metrics) of a row-sparse run (module doc).
 
     forward_loss(params, batch) -> (loss, metrics); optimizer: optax for the other params,
-    without clipping (applied here over all gradients); schedule: the base learning rate.
+    without clipping (applied here over all gradients); schedule: the base learning rate;
+    module_norms(prefix, tree) -> {name: norm} (the trainer's per-module norm metrics).
     """
     o, engram = cfg.optim, cfg.model.engram
     kind = o.table_optimizer
@@ -192,7 +192,7 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule):
         rows_e = {layer: e for layer, (_, _, e) in gathered.items()}
         owners = {layer: (plan, gathered[layer][0]) for layer, plan in plans.items()}
         rest, dense_state, g_rows, metrics, owner_rows = _grads_and_dense_update(
-            cfg, forward_loss, optimizer, state, rest, tables,
+            cfg, forward_loss, optimizer, module_norms, state, rest, tables,
             with_rows(batch, gathered, rows_e), rows_e, owners,
         )  # fmt: skip
         lr = schedule(state.step) * engram.table_lr_scale
@@ -217,3 +217,37 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule):
         return new_state, dict(metrics, lr=schedule(state.step))
 
     return train_step
+
+
+class SparseTableStrategy(DeviceTableStrategy):
+    """Row-sparse tables on the device (`optim.table_optimizer` sparse_adam or
+    rowwise_adagrad, `table_placement` "device"; module doc).
+
+    Keeps: each table [R, C] in TrainState.params (the checkpoint layout of dense training);
+    its row-sparse state in opt_state["tables"]["block_<l>/engram/table"] (sparse_adam: m, v
+    [R, C], k [R, 1]; rowwise_adagrad: acc [R, 1]) with the table's row sharding; optax
+    ({"dense": ...}) covers the other params, unclipped: the step clips all gradients.
+    Step cost: per layer a gather of the batch's U <= B T H distinct rows [U, C] and a
+    scatter of their update; nothing of the table's size is read or written."""
+
+    name = "sparse"
+
+    def optax_config(self, optim_cfg):
+        return dataclasses.replace(optim_cfg, grad_clip=0.0)
+
+    def optax_params(self, params):
+        return split_tables(params)[0]
+
+    def init_opt_state(self, optimizer, params):
+        rest, tables = split_tables(params)
+        tables = nn.unbox(tables)  # only their shapes are read
+        kind = self.cfg.optim.table_optimizer
+        return {"dense": optimizer.init(rest), "tables": init_table_states(kind, tables)}
+
+    def opt_state_shardings(self, state_shardings):
+        """Each table state takes its table's row sharding (`table_state_shardings`)."""
+        tables = table_state_shardings(state_shardings.opt_state["tables"], state_shardings.params)
+        return state_shardings.replace(opt_state={**state_shardings.opt_state, "tables": tables})
+
+    def train_step(self, dense_step, forward_loss, optimizer, schedule, module_norms):
+        return sparse_train_step(self.cfg, forward_loss, optimizer, schedule, module_norms)

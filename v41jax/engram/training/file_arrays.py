@@ -1,6 +1,6 @@
 """Engram tables in memory-mapped files during training (`model.engram.table_path`).
 
-The host-table run of `v41jax.train.host_tables` with every table and optimizer-state array
+The host-table run of `v41jax.engram.training.host` with every table and optimizer-state array
 in a `TableFile` instead of RAM, so a table may be larger than this machine's memory: a
 step reads and writes only the rows its batch touches, and the OS page cache keeps the hot
 (Zipf-frequent) rows resident. Layout, per Engram layer l, under the table directory:
@@ -35,10 +35,6 @@ from v41jax.engram.primes import stored_table_rows
 from v41jax.engram.table_file import TableFile, create_table_file, restore_table_file
 
 _EXACT_COUNT = 2**24  # float32 holds every integer below this
-
-
-def uses_table_files(cfg: Config) -> bool:
-    return cfg.model.engram.enabled and bool(cfg.model.engram.table_path)
 
 
 def table_dir(cfg: Config, workdir: str) -> str:

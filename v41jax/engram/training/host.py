@@ -13,28 +13,35 @@ was gathered at, and `patch` re-reads, just before the batch goes to the device,
 rows that an update since then touched. A host-table run therefore computes exactly what the
 same run with device tables and the same sparse optimizer computes (tested step by step).
 Single-process only: every process would need the same rows and updates. With
-`model.engram.table_path` the arrays are memory-mapped files (`v41jax.train.file_tables`).
+`model.engram.table_path` the arrays are memory-mapped files (`file_arrays`, `files`).
+
+`HostTableStrategy` is the run's `TableStrategy`: the TrainState holds the params without
+the tables and opt_state {"dense": optax state, "tables": {}}; host RAM holds every table
+[R, C] float32 and its row-sparse state (sparse_adam: m, v [R, C], k [R, 1]; rowwise_adagrad:
+acc [R, 1]). Step cost: the host gathers U <= B T H rows per layer (prefetch thread), sends
+[U, C] to the device and receives their gradients [U, C], and updates those rows in place;
+the device never holds a table. Checkpoint: every table and state array (item "host_tables").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from v41jax.config import Config
 from v41jax.engram import table_optim
+from v41jax.engram.host_table import HostTable
 from v41jax.engram.primes import head_offsets, stored_table_rows
-from v41jax.model import engram_ids_key, engram_rows_key
-from v41jax.train.file_tables import FileArray, open_table_files, snapshot_all, uses_table_files
+from v41jax.engram.training.file_arrays import FileArray, snapshot_all
+from v41jax.engram.training.sparse import SparseTableStrategy, host_train_step, split_tables
+from v41jax.engram.tree_keys import engram_ids_key, engram_rows_key
 
 HOST_KEY = "_host_rows"  # batch entry that never goes to the device: {layer: u [N]}
 VERSION_KEY = "_host_version"
-
-
-def uses_host_tables(cfg: Config) -> bool:
-    return cfg.model.engram.enabled and cfg.model.engram.table_placement == "host"
 
 
 class HostTables:
@@ -119,8 +126,6 @@ class HostTables:
     def _update(self, rows_UxC, state_rows, grads_UxC, lr):
         """sparse_update on the gathered rows alone (rows 0..U-1 of a U-row table), jitted."""
         if not hasattr(self, "_jitted"):
-            import jax
-
             o, engram = self.cfg.optim, self.cfg.model.engram
 
             def update(rows, state, grads, lr):
@@ -136,7 +141,7 @@ class HostTables:
     def checkpoint(self, step: int) -> dict | None:
         """What `Checkpointer.save` stores for step `step`: the arrays (`state_dict`), or for
         file tables None, after every file has appended its rows written since the last
-        checkpoint to its snapshot log (`v41jax.train.file_tables`)."""
+        checkpoint to its snapshot log (`v41jax.engram.training.file_arrays`)."""
         if not self.files:
             return self.state_dict()
         snapshot_all(self.tables, self.states, step)
@@ -163,36 +168,64 @@ def shaped_like(cfg: Config) -> HostTables:
     return HostTables(cfg, tables)
 
 
-def start_host_tables(
-    cfg: Config, checkpointer, start: int, tables=None, workdir: str | None = None
-) -> HostTables:
-    """The run's host tables: restored from checkpoint `start` (if > 0), else `tables`
-    ({layer: array}, e.g. a fine-tuning source's), else the init of `init_host_tables`.
-    With `model.engram.table_path`: the workdir's table files at step `start`."""
-    from v41jax.train.state import init_host_tables
+class HostTableStrategy(SparseTableStrategy):
+    """Tables in host memory, updated on the host (`table_placement` "host"; module doc).
+    After `open`, `tables` is the run's `HostTables`."""
 
-    if uses_table_files(cfg):
-        if workdir is None:
-            raise ValueError("model.engram.table_path: start_host_tables needs the workdir")
-        return HostTables(cfg, *open_table_files(cfg, workdir, start, tables))
+    name = "host"
+    outside_params = True
 
-    if start:
-        like = shaped_like(cfg).state_dict()
-        return HostTables.from_state_dict(cfg, checkpointer.restore_host_tables(start, like))
-    if tables is None:
-        tables = init_host_tables(cfg, cfg.train.seed)
-    return HostTables(cfg, tables)
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.tables: HostTables | None = None
 
+    def state_params(self, params):
+        return split_tables(params)[0]  # the compiled init never builds the tables
 
-def host_step(train_step, host: HostTables, cfg: Config, mesh, state, batch):
-    """One step of a host-table run: patch the batch's stale rows, run the device step, apply
-    the returned row gradients on the host (lr = the step's lr x table_lr_scale)."""
-    import jax
+    def train_step(self, dense_step, forward_loss, optimizer, schedule, module_norms):
+        return host_train_step(self.cfg, forward_loss, optimizer, schedule, module_norms)
 
-    from v41jax.train.step import device_batch
+    def step_out_shardings(self, out_shardings: tuple, replicated) -> tuple:
+        return (*out_shardings, replicated)  # the row gradients, read back by the host
 
-    batch, rows = host.patch(batch)
-    state, metrics, grads = train_step(state, device_batch(mesh, batch))
-    grads, lr = jax.device_get((grads, metrics["lr"]))
-    host.apply(rows, grads, np.float32(lr) * np.float32(cfg.model.engram.table_lr_scale))
-    return state, metrics
+    def batch_shardings(self, shardings: dict, replicated) -> dict:
+        layers = self.cfg.model.engram.layer_ids  # every device reads all gathered rows
+        return shardings | {engram_rows_key(layer): replicated for layer in layers}
+
+    def open(self, checkpointer, step: int, workdir: str, init_tables, source_tables=None):
+        if step:
+            like = shaped_like(self.cfg).state_dict()
+            restored = checkpointer.restore_tables(step, like)
+            self.tables = HostTables.from_state_dict(self.cfg, restored)
+            return
+        if source_tables is None:
+            source_tables = init_tables(self.cfg.train.seed)
+        self.tables = HostTables(self.cfg, source_tables)
+
+    def prepare_batch(self, batch: dict) -> dict:
+        return self.tables.gather(batch)  # rows gathered in the prefetch thread
+
+    def step(self, train_step, to_device, state, batch: dict):
+        """Patch the batch's stale rows, run the device step, apply the returned row
+        gradients on the host (lr = the step's lr x table_lr_scale)."""
+        batch, rows = self.tables.patch(batch)
+        state, metrics, grads = train_step(state, to_device(batch))
+        grads, lr = jax.device_get((grads, metrics["lr"]))
+        lr = np.float32(lr) * np.float32(self.cfg.model.engram.table_lr_scale)
+        self.tables.apply(rows, grads, lr)
+        return state, metrics
+
+    def eval_batch(self, batch: dict) -> dict:
+        return self.tables.patch(self.tables.gather(batch))[0]  # the rows as they are now
+
+    def checkpoint(self, step: int):
+        return self.tables.checkpoint(step)
+
+    def decoding_config(self, cfg: Config) -> Config:
+        engram = dataclasses.replace(cfg.model.engram, table_placement="device", table_path="")
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
+
+    def decoding_tables(self, checkpointer, step: int, workdir: str):
+        restored = checkpointer.restore_tables(step, shaped_like(self.cfg).state_dict())
+        tables = HostTables.from_state_dict(self.cfg, restored).tables
+        return {layer: HostTable(t) for layer, t in tables.items()}
