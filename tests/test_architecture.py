@@ -205,17 +205,3 @@ def test_ruff_clean():
         [*ruff, "format", "--check", "v41jax", "tests"], cwd=ROOT, capture_output=True, text=True
     )
     assert fmt.returncode == 0, fmt.stdout
-
-
-def test_smoke_tier_lists_existing_files_of_every_part():
-    """tests/smoke_files.txt (bash scripts/test.sh --smoke) names test files that exist and
-    reaches every part of the package that has tests (each tests/ folder but aot)."""
-    listed = [
-        line for line in (ROOT / "tests" / "smoke_files.txt").read_text().splitlines()
-        if line and not line.startswith("#")
-    ]  # fmt: skip
-    missing = [f for f in listed if not (ROOT / f).is_file()]
-    assert not missing, missing
-    parts = {p.parent.name for p in (ROOT / "tests").glob("*/test_*.py")} - {"aot"}
-    reached = {pathlib.Path(f).parent.name for f in listed}
-    assert parts <= reached, sorted(parts - reached)

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(*args):
     return subprocess.run(
@@ -28,6 +30,7 @@ def _train(workdir):
     )
 
 
+@pytest.mark.e2e
 def test_train_eval_generate(tmp_path):
     workdir = str(tmp_path / "run")
     train = _train(workdir)
@@ -62,6 +65,7 @@ def test_train_eval_generate(tmp_path):
     assert again.returncode == 0 and "resumed from" in again.stdout  # finished: just evaluates
 
 
+@pytest.mark.e2e
 def test_errors_are_one_clear_line(tmp_path):
     missing = _run("generate", "--workdir", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and "no run" in missing.stderr

@@ -122,6 +122,7 @@ def test_config_from_python_file(tmp_path):
         config_lib.get_config(str(bad))
 
 
+@pytest.mark.e2e
 def test_cli_help_lists_subcommands_and_rejects_bad_keys(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "v41jax", "--help"], capture_output=True, text=True, check=True

@@ -159,6 +159,7 @@ def test_cli_starts_itself_with_enough_devices(tmp_path):
     assert json.loads(out.read_text())["devices"] == 16
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_python_m_v41jax_plan(tmp_path):
     out = tmp_path / "plan.json"
@@ -189,6 +190,7 @@ def test_named_configs_have_the_sizes_their_names_say(name, low, high):
     assert low <= total <= high, f"{name}: {total:,} params"
 
 
+@pytest.mark.e2e
 def test_readme_table_is_the_committed_plans():
     """docs/launching.md (the manual's launch page) shows experiments/plan/table.py's
     rendering of the committed plan JSONs, verbatim."""

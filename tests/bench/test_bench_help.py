@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from v41jax.bench.__main__ import BENCHMARKS, main
 
 
@@ -19,6 +21,7 @@ def test_an_unknown_benchmark_is_named_and_the_list_printed(capsys):
     assert "unknown benchmark 'nope'" in captured.err and "host_decode" in captured.out
 
 
+@pytest.mark.e2e
 def test_the_cli_hands_bench_help_to_the_benchmarks():
     out = subprocess.run(
         [sys.executable, "-m", "v41jax", "bench", "--help"], capture_output=True, text=True

@@ -220,6 +220,7 @@ def _losses(workdir):
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+@pytest.mark.e2e
 def test_training_from_a_token_dir_resumes_exactly(tmp_path):
     """prepare-data on the CLI; a token-dir run killed mid-run and rerun gives, step for
     step, the losses of an uninterrupted run of the in-memory path."""

@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_dspark_experiment_miniature(tmp_path):
     out = tmp_path / "results"
@@ -61,6 +62,7 @@ def test_dspark_experiment_miniature(tmp_path):
         assert (out / png).stat().st_size > 0
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_dspark_deep_experiment_miniature(tmp_path):
     """experiments/dspark_deep in miniature: costs c and v(L) with their ceilings, every

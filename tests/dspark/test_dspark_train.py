@@ -142,6 +142,7 @@ def test_drafter_trains_on_the_targets_own_samples(target, tmp_path):
     assert result["step"] == 8 and np.isfinite(result["val_loss"])
 
 
+@pytest.mark.e2e
 def test_cli_train_drafter_then_generate(target, tmp_path):
     workdir = str(tmp_path / "cli")
     sets = [x for s in SETTINGS for x in ("--set", s)]  # the step the cache holds compiled

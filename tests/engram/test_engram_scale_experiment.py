@@ -34,6 +34,7 @@ def test_the_grid_goes_past_ram_only_in_files_and_adam_stays_on_device():
     assert cfg.optim.table_optimizer == "rowwise_adagrad"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_quick_setting_end_to_end(tmp_path):
     out = tmp_path / "results"

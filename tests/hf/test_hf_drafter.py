@@ -80,6 +80,7 @@ def _continuations(stdout, tokenizer):
     return out
 
 
+@pytest.mark.e2e
 def test_a_drafter_of_the_imported_model_decodes_its_greedy_output(imported, tmp_path):
     import tokenizers
 

@@ -109,6 +109,7 @@ def test_an_hf_tokenizer_stays_one_through_save_and_load(tmp_path):
     assert again.hf and again.document_prefix == () and again.eos_id == tok.eos_id
 
 
+@pytest.mark.e2e
 def test_generate_on_an_imported_model_gives_transformers_greedy_tokens(imported):
     for family in FAMILIES:
         golden = _golden(family)
@@ -123,6 +124,7 @@ def test_generate_on_an_imported_model_gives_transformers_greedy_tokens(imported
         assert got == want, family
 
 
+@pytest.mark.e2e
 def test_negative_control_the_old_eos_prefix_gives_other_tokens(imported):
     """v41jax's separator before an imported model's prompt (what `generate` did) changes its
     greedy continuation: the test above can fail."""
@@ -149,6 +151,7 @@ def _documents(token_dir, split):
     return [tokens[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
 
 
+@pytest.mark.e2e
 def test_each_document_starts_as_the_tokenizer_starts_a_text(imported):
     """The token dirs that `eval` and `train-drafter` read (the imported runs' data): each
     document is transformers' encoding of its text (Llama's with its BOS, Qwen's without)
@@ -162,6 +165,7 @@ def test_each_document_starts_as_the_tokenizer_starts_a_text(imported):
         assert len(docs) == len(want) * COPIES and {tuple(d) for d in docs} == want, family
 
 
+@pytest.mark.e2e
 def test_eval_and_a_drafter_of_an_imported_model(imported, tmp_path):
     """`eval` reads those documents; a drafter trained on them (anchors in documents that start
     with the BOS) decodes to transformers' greedy tokens at temperature 0."""
@@ -185,6 +189,7 @@ def test_eval_and_a_drafter_of_an_imported_model(imported, tmp_path):
     assert _continuations(spec.stdout, tok, prompts) == want
 
 
+@pytest.mark.e2e
 def test_a_token_dir_prepared_before_framing_is_refused(imported, tmp_path):
     """A Llama token dir whose manifest records no document start (prepared before documents
     were framed with the BOS) holds streams the model never saw: loading it is refused by name;

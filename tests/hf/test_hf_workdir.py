@@ -50,6 +50,7 @@ def imported(tmp_path_factory):
     return src, str(root / "w"), json.loads(out.stdout)
 
 
+@pytest.mark.e2e
 def test_the_imported_workdir_gives_transformers_logits(imported):
     src, workdir, summary = imported
     assert summary["family"] == "qwen3" and summary["eos_id"] == 2
@@ -61,6 +62,7 @@ def test_the_imported_workdir_gives_transformers_logits(imported):
     assert float(np.abs(np.asarray(got) - want).max()) < 1e-5
 
 
+@pytest.mark.e2e
 def test_generate_and_export_take_it(imported, tmp_path):
     src, workdir, _ = imported
     gen = _cli("generate", "--workdir", workdir, "--prompt", "w3 w4", "--max-new-tokens", "4",
@@ -79,6 +81,7 @@ def test_generate_and_export_take_it(imported, tmp_path):
     assert bad.returncode == 2 and "not a llama model" in bad.stderr
 
 
+@pytest.mark.e2e
 def test_import_refuses_without_writing(tmp_path):
     src = _with_tokenizer("mistral", str(tmp_path / "m"))
     with open(os.path.join(src, "config.json")) as f:
@@ -97,6 +100,7 @@ def test_import_refuses_without_writing(tmp_path):
     assert out.returncode == 2 and "tokenizer.json" in out.stderr
 
 
+@pytest.mark.e2e
 def test_fine_tuning_starts_from_the_imported_params(imported, tmp_path):
     from v41jax import config as config_lib
     from v41jax.train import train
@@ -113,6 +117,7 @@ def test_fine_tuning_starts_from_the_imported_params(imported, tmp_path):
     assert 0 < max(moved) < 0.1  # one small step from the imported weights, not a fresh init
 
 
+@pytest.mark.e2e
 def test_engram_attached_to_the_imported_model_starts_at_its_function(imported, tmp_path):
     """--set model.engram.layer_ids=1 on a fine-tune of the imported model. After one step
     at lr 1e-30 (the params stay where they started) the validation loss is the imported
@@ -136,6 +141,7 @@ def test_engram_attached_to_the_imported_model_starts_at_its_function(imported, 
     assert w_v and max(float(np.abs(x).max()) for x in w_v) > 0
 
 
+@pytest.mark.e2e
 def test_mhc_attached_to_the_imported_model_starts_at_its_function(imported, tmp_path):
     """--set model.mhc.n_streams=4 on a fine-tune of the imported model: phi starts at zero,
     so every stream stays the plain residual. After one step at lr 1e-30 the validation loss

@@ -216,6 +216,7 @@ def test_report_format_and_small_vocab_and_k():
     assert [t.statistic for t in again.tests] == [t.statistic for t in report.tests]
 
 
+@pytest.mark.e2e
 def test_cli_passes_the_reference():
     proc = subprocess.run(
         [sys.executable, "-m", "v41jax.speculative.audit",

@@ -42,6 +42,7 @@ def test_common_approach_emits_valid_rounds():
         assert 0 <= out[row, a] < 50 and np.all(out[row, a + 1 :] == -1)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_speculative_throughput_experiment_miniature(tmp_path):
     out = tmp_path / "results"

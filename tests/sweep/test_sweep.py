@@ -258,6 +258,7 @@ def test_token_types_partition_every_scored_token():
     assert masks["context_bigram"]["frequent"].any() and masks["word"]["continuation"].any()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_mini_setting_end_to_end(tmp_path):
     """The experiment's `mini` setting: every study in miniature, then the report."""

@@ -79,6 +79,7 @@ def test_file_tables_equal_in_memory_tables_and_restore_a_snapshot(tmp_path, kin
     assert not np.array_equal(saved["table"], memory.tables[1])
 
 
+@pytest.mark.e2e
 def test_a_killed_file_table_run_resumes_exactly_and_decodes(tmp_path):
     whole, killed = str(tmp_path / "whole"), str(tmp_path / "killed")
     train(tiny(), whole, progress=False)

@@ -59,6 +59,7 @@ def test_the_device_state_holds_no_table():
         tiny("host", "optim.table_optimizer=adam")
 
 
+@pytest.mark.e2e
 def test_host_run_equals_device_run_and_survives_sigkill(tmp_path):
     device = str(tmp_path / "device")
     train(tiny("device"), device, progress=False)

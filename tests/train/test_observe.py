@@ -93,6 +93,7 @@ def test_peak_flops_by_device_kind():
     assert peak_flops_per_device(set_peak, kind("cpu")) == 5e14
 
 
+@pytest.mark.e2e
 def test_runs_fill_a_persistent_compilation_cache_unless_told_not_to(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
     env.pop("V41JAX_COMPILATION_CACHE", None)

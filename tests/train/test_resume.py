@@ -62,6 +62,7 @@ def reference(tmp_path_factory):
     return losses
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
 def test_killed_run_resumes_with_identical_losses(tmp_path, reference, sig):
     rc, out = _run_until_then_signal(tmp_path, sig, at_step=10)

@@ -83,6 +83,7 @@ def test_a_normal_run_releases_its_lock(run2):
     assert not os.path.exists(os.path.join(run2, LOCK))
 
 
+@pytest.mark.e2e
 def test_a_second_train_process_is_refused_naming_the_holder(run2, tmp_path):
     """This process holds the lock (as a running train would); `python -m v41jax train` on
     the same workdir, a new one and an existing run, exits 2 naming host, pid and since."""
