@@ -1,5 +1,14 @@
 """The architecture stays visible: one-way imports, no private names taken across modules,
-small files, lint-clean code."""
+small files, lint-clean code.
+
+The layer order enforced (a module imports only its own layer and layers to its left):
+
+    ops -> config -> sharding -> data -> kernels -> engram -> mhc -> speculative -> model
+        -> decode -> train -> hf -> dspark -> sweep -> bench
+
+with no exemptions; `v41jax/__init__.py` and `__main__.py` sit on top. The README states the
+same order (test_readme_states_the_enforced_layer_order).
+"""
 
 import ast
 import pathlib
@@ -205,3 +214,12 @@ def test_ruff_clean():
         [*ruff, "format", "--check", "v41jax", "tests"], cwd=ROOT, capture_output=True, text=True
     )
     assert fmt.returncode == 0, fmt.stdout
+
+
+def test_readme_states_the_enforced_layer_order():
+    """The order in this module's docstring and in the README is LAYERS."""
+    assert " -> ".join(LAYERS) in " ".join(__doc__.split())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    stated = re.search(r"Imports go one way: `([^`]*)`", readme).group(1)
+    order = [part.strip() for step in stated.split("->") for part in step.split(",")]
+    assert order[: len(LAYERS)] == LAYERS and order[len(LAYERS) :] == ["experiments"], order
