@@ -76,8 +76,9 @@ def row_shard_plan(
 def _check(plan: RowShardPlan, ids, name: str, other=None) -> None:
     if ids.ndim != 3 or not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"{name}: ids must be int [B, T, H]; got {ids.dtype} {ids.shape}")
-    if other is not None and (other.ndim != 3 or other.shape[:2] != ids.shape[:2]
-                              or other.shape[2] % ids.shape[2]):  # fmt: skip
+    if other is not None and (
+        other.ndim != 3 or other.shape[:2] != ids.shape[:2] or other.shape[2] % ids.shape[2]
+    ):
         raise ValueError(f"{name}: rows {other.shape} must be [B, T, H*C] for ids {ids.shape}")
 
 

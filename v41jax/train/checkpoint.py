@@ -275,8 +275,10 @@ class Checkpointer:
             for bad, what in damaged:
                 where = self._set_aside(bad, what) if set_aside else "left in place (read-only)"
                 if not quiet:
-                    _warn(f"checkpoint {bad} in {self.directory} is damaged ({what}); {where}; "
-                         f"using step {step}, the newest intact checkpoint")  # fmt: skip
+                    _warn(
+                        f"checkpoint {bad} in {self.directory} is damaged ({what}); {where}; "
+                        f"using step {step}, the newest intact checkpoint"
+                    )
             if damaged and set_aside:
                 if jax.process_count() > 1:  # every process lists the same steps from here
                     ocp.multihost.sync_global_processes("v41jax_damaged_set_aside")

@@ -334,9 +334,14 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
         checkpointer.wait()
 
     stopped = run_steps(
-        start, steps, body, on_stop, desc=f"train {cfg.name}", progress=progress and main,
+        start,
+        steps,
+        body,
+        on_stop,
+        desc=f"train {cfg.name}",
+        progress=progress and main,
         stop_check_every=cfg.train.stop_check_every,
-    )  # fmt: skip
+    )
     if stopped is not None:
         result = {"step": stopped, "stopped": True}
     if start == steps:  # nothing left to train: report the saved model

@@ -78,8 +78,9 @@ class MetricsWriter:
                 if "loss" in record:
                     train_steps.append(record.get("step", 0))
         aside_name = f"{self.path.name}.after_{step}"
-        self.resumed = ResumedLog(step, aside_name, tuple(sorted(set(later_steps))),
-                                  tuple(cut), tuple(train_steps))  # fmt: skip
+        self.resumed = ResumedLog(
+            step, aside_name, tuple(sorted(set(later_steps))), tuple(cut), tuple(train_steps)
+        )
         if later:
             aside = self.path.parent / aside_name
             text = "".join(ln if ln.endswith("\n") else ln + "\n" for ln in later)

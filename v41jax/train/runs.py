@@ -101,8 +101,10 @@ def load_run(
         if on_host:
             params = tables_on_host(params, cfg.model, host)
         else:
-            tables_ = {(f"block_{k}", "engram", "table"): HostRows(t).read(np.arange(t.num_rows))
-                       for k, t in host.items()}  # fmt: skip
+            tables_ = {
+                (f"block_{k}", "engram", "table"): HostRows(t).read(np.arange(t.num_rows))
+                for k, t in host.items()
+            }
             params = jax.device_put(merge_tables(params, tables_), shardings.params)
     elif on_host and cfg.model.engram.enabled:
         params = tables_on_host(params, cfg.model)  # copied to host memory, off the device

@@ -160,8 +160,9 @@ def workdir_kind(folder: str | os.PathLike) -> Kind:
         return Kind("hf_model", "v41jax_export.json")
     if "config.json" in names:
         config = _read_json(path / "config.json")
-        weights = any(n.endswith(".safetensors") or n.endswith(".safetensors.index.json")
-                      for n in names)  # fmt: skip
+        weights = any(
+            n.endswith(".safetensors") or n.endswith(".safetensors.index.json") for n in names
+        )
         hf = isinstance(config, dict) and ("model_type" in config or "architectures" in config)
         if hf or (config is None and weights):
             return Kind("hf_model", "config.json + safetensors" if weights else "config.json")
@@ -169,8 +170,9 @@ def workdir_kind(folder: str | os.PathLike) -> Kind:
             return Kind("sweep_cell", " + ".join(["config.json", *markers]))
         if "checkpoints" in names and _imported_checkpoint(path):
             return Kind("imported", "checkpoint 0 records imported_from")
-        return Kind("train_run", "config.json + checkpoints/" if "checkpoints" in names
-                    else "config.json")  # fmt: skip
+        return Kind(
+            "train_run", "config.json + checkpoints/" if "checkpoints" in names else "config.json"
+        )
     if found := sorted(names & set(REPORT_FILES)):
         return Kind("report", ", ".join(found))
     if runs := _holds_runs(path, names):
@@ -196,8 +198,11 @@ def require_kind(folder: str | os.PathLike, role: str) -> Kind:
         if kind.name in accepted:
             return kind
         command = "sweep" if role == "sweep-cell" else role
-        holds = "is a file, not a folder" if kind.name == "file" else (
-            f"already holds {kind.describe()}")  # fmt: skip
+        holds = (
+            "is a file, not a folder"
+            if kind.name == "file"
+            else (f"already holds {kind.describe()}")
+        )
         raise ValueError(
             f"{text} {holds}: {command} writes {writes}; use a new {flag}"
             f"{_fits(kind, text, ', or ')}"

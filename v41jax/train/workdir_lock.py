@@ -136,8 +136,10 @@ def _stale(holder: dict) -> str | None:
 
 
 def _who(holder: dict) -> str:
-    return (f"{holder.get('command', '?')} (pid {holder.get('pid')} on host "
-            f"{holder.get('host')}, since {holder.get('since')})")  # fmt: skip
+    return (
+        f"{holder.get('command', '?')} (pid {holder.get('pid')} on host "
+        f"{holder.get('host')}, since {holder.get('since')})"
+    )
 
 
 def _refusal(workdir: epath.Path, lock: epath.Path, holder: dict) -> WorkdirLocked:
@@ -156,8 +158,11 @@ def _refusal(workdir: epath.Path, lock: epath.Path, holder: dict) -> WorkdirLock
 
 def _take_over(workdir: epath.Path, lock: epath.Path, holder: dict, why: str) -> None:
     """Remove a stale lock (if it is still the one read), with a note on stderr."""
-    print(f"note: taking over the stale lock of {os.fspath(workdir)}: held by {_who(holder)}, "
-          f"but {why}", file=sys.stderr)  # fmt: skip
+    print(
+        f"note: taking over the stale lock of {os.fspath(workdir)}: held by {_who(holder)}, "
+        f"but {why}",
+        file=sys.stderr,
+    )
     if _read(lock) == holder:
         lock.unlink(missing_ok=True)
 
@@ -231,8 +236,11 @@ def _release(workdir: epath.Path, record: dict, created: list[epath.Path]) -> No
         lock.unlink(missing_ok=True)
     else:
         now = _who(holder) if holder and "unreadable" not in holder else "no lock"
-        print(f"note: the lock of {os.fspath(workdir)} changed while this run held it "
-              f"(now: {now}); left as it is", file=sys.stderr)  # fmt: skip
+        print(
+            f"note: the lock of {os.fspath(workdir)} changed while this run held it "
+            f"(now: {now}); left as it is",
+            file=sys.stderr,
+        )
     _remove_empty(created)
 
 

@@ -178,8 +178,16 @@ def _train_drafters_locked(cfgs, target_workdir, init_from, progress) -> dict[st
     resuming = {w: check_record(files[w], r) for w, r in records.items()}  # all before any write
     results, runs = {}, []
     for workdir, cfg in cfgs.items():
-        run = _open_run(cfg, workdir, files[workdir], target, records[workdir],
-                        resuming[workdir], init_from.get(workdir), frozen)  # fmt: skip
+        run = _open_run(
+            cfg,
+            workdir,
+            files[workdir],
+            target,
+            records[workdir],
+            resuming[workdir],
+            init_from.get(workdir),
+            frozen,
+        )
         if run is None:
             results[workdir] = files[workdir].read_eval()
         else:

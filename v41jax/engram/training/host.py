@@ -53,12 +53,14 @@ class HostTables:
         keep = lambda a, dtype=None: a if isinstance(a, FileArray) else np.array(a, dtype)  # noqa: E731
         self.files = all(isinstance(t, FileArray) for t in tables.values())
         self.tables = {int(k): keep(v, np.float32) for k, v in tables.items()}
-        self.states = {
-            layer: table_optim.init_state(self.kind, *t.shape, xp=np)
-            for layer, t in self.tables.items()
-        } if states is None else {
-            int(k): {n: keep(a) for n, a in st.items()} for k, st in states.items()
-        }  # fmt: skip
+        self.states = (
+            {
+                layer: table_optim.init_state(self.kind, *t.shape, xp=np)
+                for layer, t in self.tables.items()
+            }
+            if states is None
+            else {int(k): {n: keep(a) for n, a in st.items()} for k, st in states.items()}
+        )
         self.version = 0
         self._log: list[tuple[int, dict[int, np.ndarray]]] = []
         self._lock = threading.Lock()
@@ -111,9 +113,11 @@ class HostTables:
             # step (numpy's pow/sqrt round differently, and training amplifies 1-ulp gaps);
             # all N entries, so one compiled shape serves every step
             new_rows, new_state = self._update(
-                table[at], {k: v[at] for k, v in state.items()},
-                np.asarray(grads_by_layer[layer]), lr,
-            )  # fmt: skip
+                table[at],
+                {k: v[at] for k, v in state.items()},
+                np.asarray(grads_by_layer[layer]),
+                lr,
+            )
             table[rows_u[keep]] = np.asarray(new_rows)[keep]
             for k, v in new_state.items():
                 state[k][rows_u[keep]] = np.asarray(v)[keep]
@@ -131,9 +135,17 @@ class HostTables:
             def update(rows, state, grads, lr):
                 ids = jnp.arange(rows.shape[0], dtype=jnp.int32)
                 return table_optim.sparse_update(
-                    self.kind, rows, state, ids, grads, lr, b1=o.b1, b2=o.b2, eps=o.eps,
+                    self.kind,
+                    rows,
+                    state,
+                    ids,
+                    grads,
+                    lr,
+                    b1=o.b1,
+                    b2=o.b2,
+                    eps=o.eps,
                     weight_decay=engram.table_weight_decay,
-                )  # fmt: skip
+                )
 
             self._jitted = jax.jit(update)
         return self._jitted(rows_UxC, state_rows, grads_UxC, lr)

@@ -192,9 +192,17 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule, module_nor
         rows_e = {layer: e for layer, (_, _, e) in gathered.items()}
         owners = {layer: (plan, gathered[layer][0]) for layer, plan in plans.items()}
         rest, dense_state, g_rows, metrics, owner_rows = _grads_and_dense_update(
-            cfg, forward_loss, optimizer, module_norms, state, rest, tables,
-            with_rows(batch, gathered, rows_e), rows_e, owners,
-        )  # fmt: skip
+            cfg,
+            forward_loss,
+            optimizer,
+            module_norms,
+            state,
+            rest,
+            tables,
+            with_rows(batch, gathered, rows_e),
+            rows_e,
+            owners,
+        )
         lr = schedule(state.step) * engram.table_lr_scale
         hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=engram.table_weight_decay)
         new_tables, table_states = dict(tables), dict(state.opt_state["tables"])
@@ -203,9 +211,15 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule, module_nor
             path, key = paths[layer], state_key(paths[layer])
             if layer in plans:  # each owner updates its own shard with what it received
                 new_tables[path], table_states[key] = sharded_sparse_update(
-                    plans[layer], kind, tables[path], table_states[key],
-                    owner_rows[layer], g_rows[layer], lr, **hyper,
-                )  # fmt: skip
+                    plans[layer],
+                    kind,
+                    tables[path],
+                    table_states[key],
+                    owner_rows[layer],
+                    g_rows[layer],
+                    lr,
+                    **hyper,
+                )
                 continue
             new_tables[path], table_states[key] = table_optim.sparse_update(
                 kind, tables[path], table_states[key], rows, g_rows[layer], lr, **hyper

@@ -74,9 +74,13 @@ class TableStrategy(Protocol):
         """`state_shardings` (a TrainState of shardings) with the table states' shardings."""
 
     def train_step(
-        self, dense_step: Callable, forward_loss: Callable, optimizer: Any,
-        schedule: Callable, module_norms: Callable,
-    ) -> Callable:  # fmt: skip
+        self,
+        dense_step: Callable,
+        forward_loss: Callable,
+        optimizer: Any,
+        schedule: Callable,
+        module_norms: Callable,
+    ) -> Callable:
         """The un-jitted step: `dense_step(state, batch) -> (state, metrics)` (the trainer's
         optax step over every param), or this placement's own built from
         forward_loss(params, batch) -> (loss, metrics), the optax `optimizer`, the lr
@@ -89,9 +93,13 @@ class TableStrategy(Protocol):
         """The batch's in_shardings {key: sharding}, plus entries this placement adds."""
 
     def open(
-        self, checkpointer: Any, step: int, workdir: str, init_tables: InitTables,
+        self,
+        checkpointer: Any,
+        step: int,
+        workdir: str,
+        init_tables: InitTables,
         source_tables: dict | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Make the run's tables as of `step`: restored from the checkpoint of `step` when
         > 0, else `source_tables` ({layer: [R, C]}, a fine-tuning source's) or
         init_tables(seed). Called again for another step replaces them."""
