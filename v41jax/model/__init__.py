@@ -1,5 +1,11 @@
 """The backbone: decoder-only transformer and its pure-JAX cores (decoding: `v41jax.decode`)."""
 
+from v41jax.engram.tree_keys import (
+    ENGRAM_IDS_PREFIX,
+    ENGRAM_ROWS_PREFIX,
+    engram_ids_key,
+    engram_rows_key,
+)
 from v41jax.model.accounting import (
     matmul_params_per_token,
     model_flops_per_token,
@@ -41,16 +47,12 @@ from v41jax.model.moe import (
     routed_experts,
 )
 from v41jax.model.transformer import (
-    ENGRAM_IDS_PREFIX,
-    ENGRAM_ROWS_PREFIX,
     FFN_KINDS,
     Block,
     BlockInputs,
     ModelOutput,
     Transformer,
     count_params,
-    engram_ids_key,
-    engram_rows_key,
     ffn_kind_for_layer,
     init_inputs,
     init_params,

@@ -5,13 +5,13 @@
 Seams, extended by config without rewriting the block:
 - `Block.pre_attention`: the per-layer memory slot before attention (Engram:
   `h <- h + Engram(h, ids)` at chosen layers; its per-token ids ride in `BlockInputs.extras`).
-- `Block.residual`: the one residual connection used around both sub-layers. It receives the
-  sub-layer as a function so mHC can replace it with n-stream mixing
-  (`x <- H_res x + H_post^T F(H_pre x)`, residual state [B, T, n, C]).
-  With `cfg.mhc.form == "single_pass"` the state between sub-layers is a `SinglePassState`
-  (streams, lagged pre-mapping, pending update; see `v41jax.mhc.layer`): the sub-layers then
-  get an input that is already mixed and normalised, so `attn_norm`/`ffn_norm` hold only
-  their `scale` (`NormScale`), which the single-pass step applies.
+- `Block.residual`: the one residual connection used around both sub-layers, a step of the
+  model's residual stream (`v41jax.model.residual_stream`): plain `x <- x + F(RMSNorm(x))`,
+  or mHC's n-stream mixing `x <- H_res x + H_post^T F(RMSNorm(H_pre x))` (state
+  [B, T, n, C]; the mix params `attn_mix` / `ffn_mix` live here). The sub-layers get their
+  normalised input from the step. With `cfg.mhc.form == "single_pass"` the state is a
+  `SinglePassState` and the pass normalises, so `attn_norm`/`ffn_norm` hold only their
+  `scale` (`NormScale`), which the step hands to the pass.
 - `make_ffn`: FFN modules keyed by a kind string (`FFN_KINDS`): "dense" (SwiGLU) or "moe"
   (`v41jax.model.moe.MoE`), chosen per layer by `ffn_kind_for_layer`.
 
@@ -40,23 +40,15 @@ from flax import linen as nn
 from v41jax.config import ModelConfig, ParamGroup
 from v41jax.engram import Engram
 from v41jax.engram.params import table_param_group
-from v41jax.engram.tree_keys import (  # noqa: F401 (the model's public names: `transformer`)
-    ENGRAM_IDS_PREFIX,
-    ENGRAM_ROWS_PREFIX,
-    engram_ids_key,
-    engram_rows_key,
-)
-from v41jax.mhc import MHCResidual, composite_gain, reduce_streams
-from v41jax.mhc.layer import NormScale, SinglePassState, single_pass_materialize
+from v41jax.engram.tree_keys import engram_ids_key, engram_rows_key
+from v41jax.mhc import MHCResidual, composite_gain
+from v41jax.mhc.layer import NormScale
 from v41jax.model.attention import Attention, AttentionLayout, KVCache
 from v41jax.model.layers import RMSNorm, SwiGLU
 from v41jax.model.metric import Metric
 from v41jax.model.moe import MoE, expert_width, is_moe_layer, moe_summary
 from v41jax.model.remat import ATTN_OUT, FFN_OUT, tag
-
-RESIDUAL_AXES = ("batch", "length", "act_embed")
-STREAM_AXES = ("batch", "length", "act_streams", "act_embed")  # mHC state [B, T, n, C]
-
+from v41jax.model.residual_stream import RESIDUAL_AXES, residual_stream
 
 # One block's feature values for the model's output, {} for a plain block:
 #   "h_res": (attention's, FFN's) H_res [B, T, n, n] with mHC (no gradient is taken of them)
@@ -160,10 +152,11 @@ class Block(nn.Module):
     def setup(self):
         c = self.cfg
         dtype, param_dtype = layer_dtypes(c)
+        self.stream = residual_stream(c)
         # single_pass: the pre-norms are folded into the mHC pass; only their scales remain
         norm = (
             functools.partial(NormScale, c.d_model, param_dtype)
-            if self._folded_norms
+            if self.stream.folds_norms
             else functools.partial(RMSNorm, eps=c.norm_eps, param_dtype=param_dtype)
         )
         self.attn_norm = norm()
@@ -198,32 +191,21 @@ class Block(nn.Module):
             self.attn_mix = MHCResidual(c.mhc, c.d_model, c.norm_eps)
             self.ffn_mix = MHCResidual(c.mhc, c.d_model, c.norm_eps)
 
-    @property
-    def _folded_norms(self) -> bool:
-        return self.cfg.mhc.enabled and self.cfg.mhc.form == "single_pass"
-
-    def _pre_norm(self, norm: nn.Module, h: jax.Array) -> jax.Array:
-        return h if self._folded_norms else norm(h)
-
     def __call__(
         self, x_BxTxD: Any, inputs: BlockInputs, cache: KVCache | None = None
     ) -> tuple[Any, KVCache | None, LayerStats]:
         x_BxTxD = self.pre_attention(x_BxTxD, inputs)
 
-        def attention(h):
+        def attention(h):  # h: the normalised input
             y, new_cache = self.attn(
-                self._pre_norm(self.attn_norm, h),
-                inputs.positions_BxT,
-                inputs.layout,
-                cache,
-                inputs.cache_index_B,
+                h, inputs.positions_BxT, inputs.layout, cache, inputs.cache_index_B
             )
             return tag(y, ATTN_OUT), new_cache
 
         x_BxTxD, new_cache, h_res_attn = self.residual(x_BxTxD, attention, "attn")
 
         def ffn(h):
-            y = self.ffn(self._pre_norm(self.ffn_norm, h))
+            y = self.ffn(h)
             y, moe = y if self.ffn_kind == "moe" else (y, None)
             return tag(y, FFN_OUT), moe
 
@@ -236,12 +218,13 @@ class Block(nn.Module):
     def pre_attention(self, x_BxTxD: Any, inputs: BlockInputs) -> Any:
         """Per-layer memory before attention: `h <- h + Engram(h, ids)` at the layers in
         `cfg.engram.layer_ids` (ids from `inputs.extras[engram_ids_key(layer)]`), else h.
-        A `SinglePassState` is materialised first (its pending update applied)."""
+        The stream's state is updated through `stream.apply` (single_pass: materialised
+        first, its pending update applied)."""
         if self.layer_index not in self.cfg.engram.layer_ids:
             return x_BxTxD
-        if isinstance(x_BxTxD, SinglePassState):
-            state = single_pass_materialize(x_BxTxD)
-            return state._replace(x=self.pre_attention(state.x, inputs))
+        return self.stream.apply(x_BxTxD, lambda x: self._add_engram(x, inputs))
+
+    def _add_engram(self, x_BxTxD: jax.Array, inputs: BlockInputs) -> jax.Array:
         key = engram_ids_key(self.layer_index)
         if key not in inputs.extras:
             raise ValueError(
@@ -256,40 +239,25 @@ class Block(nn.Module):
 
     def residual(
         self,
-        x: jax.Array,
+        x: Any,
         sublayer: Callable[[jax.Array], tuple[jax.Array, Any]],
         site: str,
     ) -> tuple[Any, Any, jax.Array | None]:
-        """The residual connection around a sub-layer F; returns (new state, aux, H_res).
+        """The residual connection around a sub-layer F, one `stream.step` (see
+        `v41jax.model.residual_stream`); returns (new state, aux, H_res).
 
-        Plain: `x <- x + F(x)` on [B, T, C]. mHC (`cfg.mhc.n_streams >= 1`): the state is
-        [B, T, n, C] and `x <- H_res x + H_post^T F(H_pre x)`; H_res [B, T, n, n] is
-        returned (None for the plain residual) and sown as intermediates/h_res, for the
-        composite-gain diagnostics. `sublayer` maps a [B, T, C] input to (output, aux)
-        (aux: the new KV cache, the FFN's `MoEStats`, or None). Form "single_pass": x is a
-        `SinglePassState` and the site's norm scale goes to the mHC pass.
+        `sublayer` maps its normalised [B, T, C] input to (output, aux) (aux: the new KV
+        cache, the FFN's `MoEStats`, or None); the step applies the site's norm (or, folded,
+        passes its scale to the mHC pass). With mHC, H_res [B, T, n, n] is returned (None
+        for the plain stream) and sown as intermediates/h_res, for the composite-gain
+        diagnostics.
         """
-        if not self.cfg.mhc.enabled:
-            y, aux = sublayer(x)
-            return nn.with_logical_constraint(x + y.astype(x.dtype), RESIDUAL_AXES), aux, None
-        mix = self.attn_mix if site == "attn" else self.ffn_mix
-        if self._folded_norms:
-            scale = (self.attn_norm if site == "attn" else self.ffn_norm)()
-            state, aux, h_res_BxTxNxN = mix(x, sublayer, scale)
+        mix = (self.attn_mix if site == "attn" else self.ffn_mix) if self.cfg.mhc.enabled else None
+        norm = self.attn_norm if site == "attn" else self.ffn_norm
+        x_new, aux, h_res_BxTxNxN = self.stream.step(x, sublayer, mix, norm)
+        if h_res_BxTxNxN is not None:
             self.sow("intermediates", "h_res", h_res_BxTxNxN)
-            state = state._replace(x=nn.with_logical_constraint(state.x, STREAM_AXES))
-            return state, aux, h_res_BxTxNxN
-        x_new, aux, h_res_BxTxNxN = mix(x, sublayer)
-        self.sow("intermediates", "h_res", h_res_BxTxNxN)
-        return nn.with_logical_constraint(x_new, STREAM_AXES), aux, h_res_BxTxNxN
-
-
-def block_readout(cfg: ModelConfig, x: Any) -> jax.Array:
-    """The [B, T, D] hidden state of a residual state (mHC: the streams summed; single_pass:
-    its pending update applied first)."""
-    if isinstance(x, SinglePassState):
-        return reduce_streams(single_pass_materialize(x).x)
-    return reduce_streams(x) if cfg.mhc.enabled else x
+        return x_new, aux, h_res_BxTxNxN
 
 
 def write_rows(stack: jax.Array, layer_cache: jax.Array, j: jax.Array, start_B, t: int):
@@ -332,4 +300,4 @@ class ScanBlock(Block):
             stack = {
                 n: write_rows(stack[n], new_cache[n], j, inputs.cache_index_B, t) for n in stack
             }
-        return (x, stack), (block_readout(self.cfg, x) if self.tap else None, stats)
+        return (x, stack), (self.stream.hidden(x) if self.tap else None, stats)

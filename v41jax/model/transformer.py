@@ -1,12 +1,14 @@
 """Decoder-only transformer: token embedding, `num_layers` pre-norm blocks, final norm, LM head.
 
-    h_{-1} = Embed(tokens)
-    h_l    = Block_l(h_{l-1})   with  x <- x + Attn(RMSNorm(x));  x <- x + FFN(RMSNorm(x))
-    logits = Head(RMSNorm(h_{L-1}))          (tied: h E^T; untied: h W_head), float32
+    x_0    = stream.expand(Embed(tokens))
+    x_l+1  = Block_l(x_l)    each sub-layer F a stream step, plain: x <- x + F(RMSNorm(x))
+    h      = stream.read_out(x_L, final_norm)                     [B, T, D]
+    logits = Head(h)          (tied: h E^T; untied: h W_head), float32
 
-The block and its seams (Engram before attention, the mHC residual, FFN kinds) live in
-`v41jax.model.block`. With mHC form "single_pass" the readout before the head is
-RMSNorm(A_{L-1} X_L; final_norm.scale) from the last pass.
+The residual stream (plain, mHC's n streams, or mHC single-pass; how the embedding becomes
+the state, the step around each sub-layer, the read-out) is `v41jax.model.residual_stream`;
+the block and its seams (Engram before attention, FFN kinds) `v41jax.model.block`; the final
+norm and output projection (tied or untied, full or chunked logits) `v41jax.model.head`.
 
 Layers run as segments (`v41jax.model.layout.layer_segments`): with `cfg.scan_layers` (the
 default) each maximal run of identical consecutive blocks is one `nn.scan` named
@@ -43,30 +45,24 @@ from flax import linen as nn
 from v41jax.config import ModelConfig
 from v41jax.engram import flat_row_ids
 from v41jax.engram.host_rows import HostRows, read_host_rows
-from v41jax.mhc import expand_streams, reduce_streams
-from v41jax.mhc.layer import NormScale, single_pass_init, single_pass_readout
+from v41jax.engram.tree_keys import engram_ids_key, engram_rows_key
 from v41jax.model.attention import AttentionLayout, KVCache
 from v41jax.model.block import (  # noqa: F401 (re-exported: the model's public names)
-    ENGRAM_IDS_PREFIX,
-    ENGRAM_ROWS_PREFIX,
     FFN_KINDS,
-    RESIDUAL_AXES,
-    STREAM_AXES,
     Block,
     BlockInputs,
     ScanBlock,
-    block_readout,
-    engram_ids_key,
-    engram_rows_key,
     feature_outputs,
     ffn_kind_for_layer,
     layer_dtypes,
     make_ffn,
 )
-from v41jax.model.layers import Embed, RMSNorm, normal_init
+from v41jax.model.head import Head
+from v41jax.model.layers import Embed
 from v41jax.model.layout import Segment, layer_segments
 from v41jax.model.metric import Metric
 from v41jax.model.remat import remat_block
+from v41jax.model.residual_stream import RESIDUAL_AXES, ResidualStream, residual_stream
 
 Cache = dict[str, KVCache]
 
@@ -108,13 +104,13 @@ def check_cache(cfg: ModelConfig, cache: Any) -> None:
             )
 
 
-def _run_segment(cfg, seg: Segment, x, inputs, cache, taps):
-    """Segment `seg` on residual state x; returns (x, new cache or None, {layer: hidden},
+def _run_segment(cfg, stream: ResidualStream, seg: Segment, x, inputs, cache, taps):
+    """Segment `seg` on the stream's state x; returns (x, new cache or None, {layer: hidden},
     [LayerStats of each of its layers, in order])."""
     if not seg.scanned:
         block = remat_block(Block, cfg.remat_policy, scanned=False)
         x, new_cache, stats = block(cfg, seg.start, seg.ffn_kind, name=seg.name)(x, inputs, cache)
-        hidden = {seg.start: block_readout(cfg, x)} if seg.start in taps else {}
+        hidden = {seg.start: stream.hidden(x)} if seg.start in taps else {}
         return x, new_cache, hidden, [stats]
     tapped = [i for i in range(seg.start, seg.stop) if i in taps]
     scan = nn.scan(
@@ -162,7 +158,8 @@ class Transformer(nn.Module):
             `cache_index + t`.
         extras: per-token side inputs for later modules, passed to every block.
         targets_BxT: with cfg.logits_chunk > 0, the head runs over chunks of that many
-            positions and returns only `lse` and `target_logit` (`chunked_head_stats`).
+            positions and returns only `lse` and `target_logit`
+            (`v41jax.model.head.chunked_head_stats`).
         """
         c = self.cfg
         dtype, param_dtype = layer_dtypes(c)
@@ -210,82 +207,38 @@ class Transformer(nn.Module):
             param_dtype=param_dtype,
             name="embed",
         )
+        stream = residual_stream(c)
         x_BxTxD = nn.with_logical_constraint(embed(tokens_BxT), RESIDUAL_AXES)
         hidden = {-1: x_BxTxD} if -1 in hidden_layers else {}
-        if c.mhc.enabled:  # n residual streams from here to the final norm
-            x_BxTxD = nn.with_logical_constraint(
-                expand_streams(x_BxTxD, c.mhc.n_streams), STREAM_AXES
-            )
-        single_pass = c.mhc.enabled and c.mhc.form == "single_pass"
-        if single_pass:  # lagged state: X_0 with the one-hot pre-mapping
-            x_BxTxD = single_pass_init(x_BxTxD)
+        x = stream.expand(x_BxTxD)
 
         new_caches, stats = {}, []
         for seg in layer_segments(c):
             seg_cache = None if cache is None else cache[seg.name]
-            x_BxTxD, new_caches[seg.name], taps, seg_stats = _run_segment(
-                c, seg, x_BxTxD, inputs, seg_cache, hidden_layers
+            x, new_caches[seg.name], taps, seg_stats = _run_segment(
+                c, stream, seg, x, inputs, seg_cache, hidden_layers
             )
             hidden.update(taps)
             stats.extend(seg_stats)
         aux_loss, metrics = feature_outputs(c, stats)
 
-        if single_pass:  # the last pass writes the head's normalised input
-            scale = NormScale(c.d_model, param_dtype, name="final_norm")()
-            _, x_BxTxD = single_pass_readout(x_BxTxD, scale, c.norm_eps, x_BxTxD.x.dtype)
-        else:
-            if c.mhc.enabled:
-                x_BxTxD = reduce_streams(x_BxTxD)
-            x_BxTxD = RMSNorm(eps=c.norm_eps, param_dtype=param_dtype, name="final_norm")(x_BxTxD)
-        if c.tie_embeddings:
-            w_head, spec = embed.embedding, "btd,vd->btv"
-        else:
-            w_head = self.param(
-                "head",
-                normal_init(c.init_std, ("embed", "vocab")),
-                (c.d_model, c.vocab_size),
-                param_dtype,
-            )
-            spec = "btd,dv->btv"
-
-        def head(x):  # the logits, accumulated in float32
-            logits = jnp.einsum(
-                spec, x.astype(dtype), w_head.astype(dtype), preferred_element_type=jnp.float32
-            )
-            return nn.with_logical_constraint(logits, ("batch", "length", "act_vocab"))
-
-        new_caches = new_caches if cache is not None else None
-        if targets_BxT is not None and c.logits_chunk and not self.is_initializing():
-            lse, target = chunked_head_stats(head, x_BxTxD, targets_BxT, c.logits_chunk)
-            return ModelOutput(None, hidden, new_caches, lse, target, aux_loss, metrics)
-        return ModelOutput(head(x_BxTxD), hidden, new_caches, aux_loss=aux_loss, metrics=metrics)
+        # the head's params ("final_norm", "head") sit beside "embed", in this module's scope
+        head = Head(c, folded_norm=stream.folds_norms, name="lm_head")
+        nn.share_scope(self, head)
+        h_BxTxD = stream.read_out(x, head.final_norm)
+        out = head(h_BxTxD, embed.embedding if c.tie_embeddings else None, targets_BxT)
+        return ModelOutput(
+            out.logits,
+            hidden,
+            new_caches if cache is not None else None,
+            out.lse,
+            out.target_logit,
+            aux_loss,
+            metrics,
+        )
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def chunked_head_stats(head, x_BxTxD: jax.Array, targets_BxT: jax.Array, chunk: int):
-    """(lse, target logit), float32 [B, T], of `head(x)` [B, T, V] computed `chunk`
-    positions at a time, each chunk under `jax.checkpoint`: the forward keeps [B, chunk, V]
-    logits at once and the backward recomputes each chunk's, so no [B, T, V] array exists.
-
-        lse[b, t] = log sum_v exp(z[b, t, v]),    target[b, t] = z[b, t, y[b, t]]
-    """
-    b, t, d = x_BxTxD.shape
-    n = -(-t // chunk)
-    pad = n * chunk - t
-    x = jnp.pad(x_BxTxD, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
-    y = jnp.pad(targets_BxT, ((0, 0), (0, pad))).reshape(b, n, chunk)
-
-    @jax.checkpoint
-    def one(x_BxCxD, y_BxC):
-        logits = head(x_BxCxD)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        return lse, jnp.take_along_axis(logits, y_BxC[..., None], axis=-1)[..., 0]
-
-    lse, target = jax.lax.map(lambda xy: one(*xy), (x.swapaxes(0, 1), y.swapaxes(0, 1)))
-    unchunk = lambda a: a.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # noqa: E731
-    return unchunk(lse), unchunk(target)
 
 
 def _read_host_tables(cfg: ModelConfig, params, extras: dict) -> dict:
