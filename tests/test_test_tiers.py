@@ -112,3 +112,30 @@ def test_smoke_tier_lists_existing_files_of_every_part():
     parts = {p.parent.name for p in (ROOT / "tests").glob("*/test_*.py")} - {"aot"}
     reached = {pathlib.Path(f).parent.name for f in listed}
     assert parts <= reached, sorted(parts - reached)
+
+
+def test_the_tier_times_quoted_are_the_recorded_ones():
+    """README.md and experiments/test_tiers/README.md quote experiments/test_tiers/tiers.json
+    (written by scripts/record_test_tiers.py): times, test counts, the commit."""
+    import json
+
+    tiers = json.loads((ROOT / "experiments" / "test_tiers" / "tiers.json").read_text())
+    smoke, full = tiers["smoke"], tiers["full"]
+    assert smoke["passed"] and full["passed"]
+    (smoke_run,) = smoke["pytest_runs"]
+    fast, aot = full["pytest_runs"]
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (
+        f"the smoke tier took {smoke['seconds']:,.0f} s ({smoke_run['counts']['passed']:,} "
+        f"tests) and the whole test command {full['seconds']:,.0f} s "
+        f"({fast['counts']['passed']:,} fast tests and {aot['counts']['passed']:,} "
+        "compile-tier tests)"
+    ) in readme
+    page = " ".join((ROOT / "experiments" / "test_tiers" / "README.md").read_text().split())
+    assert f"at commit {full['commit'][:7]}" in page and full["commit"] == smoke["commit"]
+    assert f"| {smoke['seconds']:,.0f} s ({smoke['seconds'] / 60:.0f} min) |" in page
+    assert f"| {full['seconds']:,.0f} s ({full['seconds'] / 60:.0f} min) |" in page
+    assert (
+        f"fast suite {fast['counts']['passed']:,} passed, {fast['counts']['skipped']} skipped; "
+        f"compile tier {aot['counts']['passed']} passed"
+    ) in page
