@@ -79,7 +79,7 @@ def test_owner_gradients_are_the_dense_gradient(shape, cf, hot):
     np.testing.assert_array_equal(got, dense_gradient(ids, g))
 
 
-@pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad"])
+@pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad", "sinkhorn_sparse"])
 def test_sharded_update_equals_the_unsharded_update(kind):
     plan = plan_of((2, 2, 2), cf=0.05)  # several rounds
     hyper = dict(b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.01)
@@ -88,18 +88,18 @@ def test_sharded_update_equals_the_unsharded_update(kind):
     ref_table, ref_state = table, state
 
     @jax.jit
-    def sharded_step(table, state, ids, g):
+    def sharded_step(table, state, ids, g, step):
         rows, grads = owner_gradients(plan, ids, g)
-        return sharded_sparse_update(plan, kind, table, state, rows, grads, 0.1, **hyper)
+        return sharded_sparse_update(plan, kind, table, state, rows, grads, 0.1, step=step, **hyper)
 
     for step in range(3):  # later steps see non-zero moments and per-row step counts
         ids = skewed_ids(10 + step, hot_owner=step % 2 * 5 or None)
         g = jax.random.normal(jax.random.key(20 + step), (B, T, H * C))
-        table, state = sharded_step(table, state, ids, g)
+        table, state = sharded_step(table, state, ids, g, step + 1)
         rows, slots = table_optim.unique_rows(ids, R)
         g_rows = jax.ops.segment_sum(g.reshape(-1, C), slots.reshape(-1), num_segments=rows.size)
         ref_table, ref_state = table_optim.sparse_update(
-            kind, ref_table, ref_state, rows, g_rows, 0.1, **hyper
+            kind, ref_table, ref_state, rows, g_rows, 0.1, step=step + 1, **hyper
         )
     np.testing.assert_allclose(table, ref_table, rtol=1e-6, atol=1e-6)
     for name in ref_state:

@@ -48,7 +48,7 @@ def _losses(workdir):
         return np.array([json.loads(line)["loss"] for line in f if '"loss"' in line])
 
 
-@pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad"])
+@pytest.mark.parametrize("kind", ["sparse_adam", "rowwise_adagrad", "sinkhorn_sparse"])
 def test_file_tables_equal_in_memory_tables_and_restore_a_snapshot(tmp_path, kind):
     cfg = tiny(f"optim.table_optimizer={kind}", "model.engram.compressed_vocab_size=400")
     tables, states = open_table_files(cfg, str(tmp_path), 0)
@@ -63,7 +63,7 @@ def test_file_tables_equal_in_memory_tables_and_restore_a_snapshot(tmp_path, kin
         for h, b in zip((files, memory), batches, strict=True):
             _, rows = h.patch(b)
             grads = np.random.default_rng(step).normal(size=(rows[1].size, 16))
-            h.apply(rows, {1: grads.astype(np.float32)}, 0.05)
+            h.apply(rows, {1: grads.astype(np.float32)}, 0.05, step=step)
         if step == 3:
             assert files.checkpoint(3) is None  # a snapshot log, nothing for orbax
             saved = {k: v[np.arange(v.shape[0])] for k, v in files.states[1].items()}

@@ -92,3 +92,37 @@ def test_next_token_loss_matches_hand_computation():
     )
     assert float(loss) == pytest.approx(want, rel=1e-5)
     assert float(metrics["tokens"]) == 4
+
+
+def test_a_sinkhorn_group_is_balanced_momentum_at_lr_times_gamma():
+    """The Engram table group with rule "sinkhorn" (optim.table_optimizer=sinkhorn): Nesterov
+    momentum, the Sinkhorn balance, -lr x lr_scale x gamma; the other groups stay AdamW, and
+    the group's state is one buffer of the table's size."""
+    from v41jax.config import get_config, override
+    from v41jax.ops.sinkhorn_balance import SINKHORN_GAMMA, sinkhorn_balance
+    from v41jax.train.state import optimizer_config
+
+    cfg = override(
+        get_config("tiny"), ["model.engram.layer_ids=1", "optim.table_optimizer=sinkhorn"]
+    )
+    (group,) = [g for g in optimizer_config(cfg).param_groups if g.name == "engram_tables"]
+    assert group.rule == "sinkhorn" and group.momentum == cfg.model.engram.table_momentum
+    ocfg = OptimConfig(
+        lr=1e-2,
+        warmup_steps=0,
+        grad_clip=0.0,
+        param_groups=(ParamGroup("tables", r"table$", lr_scale=5.0, weight_decay=0.0,
+                                 rule="sinkhorn", momentum=0.9),),
+    )  # fmt: skip
+    opt = make_optimizer(ocfg, 100, PARAMS)
+    state = opt.init(PARAMS)
+    rng = np.random.default_rng(0)
+    trace = np.zeros((7, 3))
+    for step in range(2):
+        g = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), PARAMS)
+        updates, state = opt.update(g, state, PARAMS)
+        trace = 0.9 * trace + np.asarray(g["engram"]["table"])
+        nesterov = np.asarray(g["engram"]["table"]) + 0.9 * trace
+        lr = float(lr_schedule(ocfg, 100, 5.0 * SINKHORN_GAMMA)(step))
+        want = -lr * np.asarray(sinkhorn_balance(jnp.asarray(nesterov, jnp.float32)))
+        np.testing.assert_allclose(updates["engram"]["table"], want, rtol=1e-5, atol=1e-7)

@@ -82,7 +82,8 @@ def _tables(workdir):
 
 
 @pytest.mark.parametrize(
-    "kind", ["sparse_adam", pytest.param("rowwise_adagrad", marks=pytest.mark.slow)]
+    "kind",
+    ["sparse_adam", "sinkhorn_sparse", pytest.param("rowwise_adagrad", marks=pytest.mark.slow)],
 )
 def test_unread_rows_unchanged_and_resume_exact(kind, tmp_path):
     big = "model.engram.engram_vocab_size=20000,20000"  # most rows stay unread in 4 steps
@@ -162,9 +163,14 @@ def test_row_sharded_step_moves_no_table_sized_array():
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 fake devices (conftest)")
 @pytest.mark.parametrize(
-    "table_dtype", ["float32", pytest.param("float8_e4m3fn", marks=pytest.mark.slow)]
+    "table_dtype, kind",
+    [
+        ("float32", "sparse_adam"),
+        ("float32", "sinkhorn_sparse"),
+        pytest.param("float8_e4m3fn", "sparse_adam", marks=pytest.mark.slow),
+    ],
 )
-def test_an_all_to_all_sparse_step_equals_the_one_device_step(table_dtype):
+def test_an_all_to_all_sparse_step_equals_the_one_device_step(table_dtype, kind):
     """Two steps of the sparse step on 8 devices (rows and row gradients by all-to-all,
     owners updating their shards) give the one-device step's loss, tables and table
     optimizer state (the FP8 master's fake-quantised rows included)."""
@@ -175,7 +181,7 @@ def test_an_all_to_all_sparse_step_equals_the_one_device_step(table_dtype):
     extra = [f"model.engram.table_dtype={table_dtype}"]
     results = {}
     for name, mesh_set in (("one", ["mesh.data=1"]), ("eight", ["mesh.data=2", "mesh.fsdp=4"])):
-        cfg = config_lib.override(config_for(1e5, "sparse_adam"), mesh_set + extra)
+        cfg = config_lib.override(config_for(1e5, kind), mesh_set + extra)
         mesh = make_mesh(cfg.mesh)
         model, opt, init_fn, shardings, _ = make_state_fns(cfg, mesh)
         step = make_train_step(cfg, mesh, model, opt, shardings)

@@ -20,6 +20,7 @@ from v41jax.config.mhc import FORMS, RESIDUAL_KINDS, SINKHORN_VARIANTS, MHCConfi
 from v41jax.config.named import CONFIG_DIR, get_config, named_configs
 from v41jax.config.schema import (
     ATTENTION_IMPLS,
+    DENSE_TABLE_OPTIMIZERS,
     DTYPES,
     REMAT_POLICIES,
     TABLE_OPTIMIZERS,
@@ -52,6 +53,7 @@ __all__ = [
     "DTYPES",
     "FORMS",
     "REMAT_POLICIES",
+    "DENSE_TABLE_OPTIMIZERS",
     "TABLE_OPTIMIZERS",
     "RESIDUAL_KINDS",
     "SINKHORN_VARIANTS",

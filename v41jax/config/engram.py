@@ -38,6 +38,8 @@ class EngramConfig:
         began there) instead of spanning packed documents.
     table_lr_scale, table_weight_decay: the tables' optimizer group (paper: Adam at 5x LR,
         no weight decay).
+    table_momentum: mu of the Sinkhorn-balanced table update's Nesterov momentum
+        (`optim.table_optimizer` "sinkhorn" / "sinkhorn_sparse").
     table_placement: "device" (a param of the model) or "host" (numpy arrays in host memory:
         the input pipeline gathers each batch's rows, the device step returns their
         gradients, the host applies the row-sparse update; needs a sparse
@@ -64,6 +66,7 @@ class EngramConfig:
     reset_at_segments: bool = True
     table_lr_scale: float = 5.0
     table_weight_decay: float = 0.0
+    table_momentum: float = 0.95
     table_row_align: int = 128
     table_placement: TablePlacement = "device"
     table_path: str = ""
@@ -126,6 +129,7 @@ def validate_engram(cfg: EngramConfig) -> None:
         not cfg.table_path or cfg.table_placement == "host",
         f"table_path={cfg.table_path!r} needs table_placement='host', not {cfg.table_placement!r}",
     )
+    require(0.0 <= cfg.table_momentum < 1.0, f"table_momentum={cfg.table_momentum} not in [0, 1)")
     require(cfg.kernel_size >= 1, f"kernel_size={cfg.kernel_size} must be >= 1")
     require(
         cfg.table_dtype in TABLE_DTYPES, f"table_dtype={cfg.table_dtype!r} not in {TABLE_DTYPES}"

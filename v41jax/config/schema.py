@@ -16,15 +16,21 @@ from typing import Literal
 from v41jax.config.engram import EngramConfig
 from v41jax.config.mhc import MHCConfig
 
+GroupRule = Literal["adamw", "sinkhorn"]
+GROUP_RULES = typing.get_args(GroupRule)
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = typing.get_args(Dtype)
 # model.attention_impl: "auto" picks by the platform the program is lowered for (see
 # v41jax.kernels.attention); the others force one implementation.
-# How Engram tables are optimised (v41jax.engram.table_optim): today's dense AdamW, or a
-# row-sparse rule that touches only the rows a batch reads.
-TableOptimizer = Literal["adam", "sparse_adam", "rowwise_adagrad"]
+# How Engram tables are optimised: dense AdamW ("adam") or V4.1's Sinkhorn-balanced momentum
+# ("sinkhorn", v41jax.ops.sinkhorn_balance) over the whole table, or a row-sparse rule that
+# touches only the rows a batch reads (v41jax.engram.table_optim).
+TableOptimizer = Literal["adam", "sinkhorn", "sparse_adam", "rowwise_adagrad", "sinkhorn_sparse"]
 AttentionImpl = Literal["auto", "reference", "blockwise", "dot_product", "splash"]
 TABLE_OPTIMIZERS = typing.get_args(TableOptimizer)
+# Table optimizers that run as optax transforms over the whole table (its own param group);
+# the others are row-sparse (v41jax.engram.table_optim): state and work O(touched rows).
+DENSE_TABLE_OPTIMIZERS = ("adam", "sinkhorn")
 ATTENTION_IMPLS = typing.get_args(AttentionImpl)
 # model.remat_policy: what a block saves for the backward pass (v41jax.model.remat).
 RematPolicy = Literal[
@@ -132,13 +138,17 @@ class ParamGroup:
     """Parameters whose '/'-joined path matches `pattern` (re.search) form an optimizer group.
 
     Groups are tried in order; the first match wins; unmatched params are the "default" group.
-    `lr_scale` multiplies the schedule; `weight_decay` None keeps the global value.
+    `lr_scale` multiplies the schedule; `weight_decay` None keeps the global value. `rule`:
+    "adamw", or "sinkhorn" (V4.1's Sinkhorn-balanced Nesterov momentum `momentum`, for
+    [rows, features] tables: `v41jax.ops.sinkhorn_balanced_momentum`, at lr x gamma).
     """
 
     name: str
     pattern: str
     lr_scale: float = 1.0
     weight_decay: float | None = None
+    rule: GroupRule = "adamw"
+    momentum: float = 0.95
 
 
 @dataclass(frozen=True)
@@ -282,7 +292,7 @@ def validate(cfg: Config) -> None:
         f"data.global_batch_size={d.global_batch_size}",
     )
     _require(
-        t.microbatches == 1 or not m.engram.enabled or o.table_optimizer == "adam",
+        t.microbatches == 1 or not m.engram.enabled or o.table_optimizer in DENSE_TABLE_OPTIMIZERS,
         f"train.microbatches={t.microbatches} with optim.table_optimizer="
         f"{o.table_optimizer!r}: gradient accumulation is not built for row-sparse tables",
     )
@@ -298,10 +308,20 @@ def validate(cfg: Config) -> None:
         f"optim.table_optimizer={o.table_optimizer!r} not in {TABLE_OPTIMIZERS}",
     )
     _require(
-        m.engram.table_placement == "device" or o.table_optimizer != "adam",
+        m.engram.table_placement == "device" or o.table_optimizer not in DENSE_TABLE_OPTIMIZERS,
         f"model.engram.table_placement={m.engram.table_placement!r} needs a row-sparse "
-        f"optim.table_optimizer (sparse_adam or rowwise_adagrad), not {o.table_optimizer!r}",
+        f"optim.table_optimizer (sparse_adam, rowwise_adagrad or sinkhorn_sparse), not "
+        f"{o.table_optimizer!r}",
     )
+    for g in o.param_groups:
+        _require(
+            g.rule in GROUP_RULES,
+            f"optim.param_groups {g.name!r}: rule={g.rule!r} not in {GROUP_RULES}",
+        )
+        _require(
+            0.0 <= g.momentum < 1.0,
+            f"optim.param_groups {g.name!r}: momentum={g.momentum} not in [0, 1)",
+        )
     _require(o.schedule_steps >= 0, f"optim.schedule_steps={o.schedule_steps} must be >= 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio} not in [0, 1]")

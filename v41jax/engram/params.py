@@ -123,13 +123,18 @@ def size_tables_for_budget(
 TABLE_GROUP = "engram_tables"
 
 
-def table_param_group(cfg: EngramConfig) -> ParamGroup:
+def table_param_group(cfg: EngramConfig, table_optimizer: str = "adam") -> ParamGroup:
     """The tables' optimizer group: the paper trains them with Adam at `table_lr_scale` x
     the base LR (5x) and no weight decay (`table_weight_decay`), while the rest of the
-    model keeps its own groups. Matches every layer's `engram/table` param."""
+    model keeps its own groups; with `table_optimizer` "sinkhorn", V4.1's Sinkhorn-balanced
+    momentum (`table_momentum`) at the same LR x gamma. Matches every layer's `engram/table`
+    param. (The row-sparse optimizers update the tables outside optax: the group then only
+    names them.)"""
     return ParamGroup(
         TABLE_GROUP,
         r"(^|/)engram/table$",
         lr_scale=cfg.table_lr_scale,
         weight_decay=cfg.table_weight_decay,
+        rule="sinkhorn" if table_optimizer == "sinkhorn" else "adamw",
+        momentum=cfg.table_momentum,
     )

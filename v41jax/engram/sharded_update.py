@@ -164,21 +164,36 @@ def sharded_sparse_update(
 ):
     """(table, state) after `table_optim.sparse_update` on every shard with its own rows
     (`owner_gradients`); state arrays [Rp, ...] are split like the table. hyper: b1, b2,
-    eps, weight_decay."""
+    eps, weight_decay, momentum, step. A rule that balances over rows (sinkhorn_sparse)
+    sums over every shard's rows (a psum of scalars and [C] column sums), so the shards
+    together take the unsharded step."""
     table_optim.check_kind(kind)
     row, state_specs = plan.row_spec, jax.tree.map(lambda _: plan.row_spec, state)
+    step = jnp.asarray(hyper.pop("step", 0), jnp.int32)
 
-    def local(table_l, state_l, rows_l, grads_l, lr):
-        return table_optim.sparse_update(kind, table_l, state_l, rows_l, grads_l, lr, **hyper)
+    def reduce(x):
+        return jax.lax.psum(x, plan.row_axes)
+
+    def local(table_l, state_l, rows_l, grads_l, lr, step):
+        return table_optim.sparse_update(
+            kind, table_l, state_l, rows_l, grads_l, lr, step=step, reduce=reduce, **hyper
+        )
 
     smap = jax.shard_map(
         local,
         mesh=plan.mesh,
-        in_specs=(row, state_specs, PartitionSpec(plan.row_axes), row, PartitionSpec()),
+        in_specs=(
+            row,
+            state_specs,
+            PartitionSpec(plan.row_axes),
+            row,
+            PartitionSpec(),
+            PartitionSpec(),
+        ),
         out_specs=(row, state_specs),
         check_vma=False,
     )
-    return smap(table_RpxC, state, rows_SK, grads_SKxC, jnp.asarray(lr, jnp.float32))
+    return smap(table_RpxC, state, rows_SK, grads_SKxC, jnp.asarray(lr, jnp.float32), step)
 
 
 __all__ = ["owner_gradients", "row_shard_plan", "sharded_rows", "sharded_sparse_update"]

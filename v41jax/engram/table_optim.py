@@ -12,12 +12,33 @@ step's learning rate, decoupled weight decay wd):
     rowwise_adagrad  a_r += mean_c g_rc^2                  (one accumulator per row)
                      T_r -= lr g_r / (sqrt(a_r) + eps) + lr wd T_r
 
+    sinkhorn_sparse  m_r <- mu^(s - s_r - 1) m_r               (the skipped steps' decay)
+                     m_r <- mu m_r + g_r,   n_r = g_r + mu m_r   (Nesterov, mu = momentum)
+                     T_r -= lr gamma balance(n)_r + lr wd T_r,   s_r <- s
+                     (s the step taken, s_r the row's last one; balance = the Sinkhorn
+                     balance of the touched rows' matrix n [U, C]: `v41jax.ops.sinkhorn_balance`)
+
 `sparse_adam` is lazy Adam: a row's moments and bias correction advance only on the steps that
 read it, so each row follows exactly Adam run on its own sequence of gradients (the dense
 AdamW of the same table would also decay the moments of unread rows and move them). State:
 m, v [R, C] and k [R, 1] (2C + 1 values per row). `rowwise_adagrad` keeps one float per row
 (state 1/C of the table), the memory-light choice of large embedding systems; it equals dense
 row-wise Adagrad exactly, since an unread row's update there is zero too.
+
+`sinkhorn_sparse` is V4.1's Sinkhorn-balanced table update restricted to the rows a step
+touches: one momentum buffer m [R, C] (1x the table, against Adam's 2x) and the step s_r
+[R, 1] at which each row last moved. An untouched row's momentum is decayed on its next touch
+by mu per skipped step, so the momentum a touched row enters the balance with is exactly the
+dense form's (whose untouched rows see g = 0 and decay every step); lazily, without the
+decay, a row read once in a thousand steps would re-enter with the stale momentum of its last
+read. What differs from the dense form (`v41jax.ops.sinkhorn_balanced_momentum`, optimizer
+"sinkhorn") is by design: the dense form balances every row, so a row untouched for a few
+steps keeps moving on its decaying momentum until its norm falls under tau x the mean, and
+those rows enter the mean row norm and the column norms; the row-sparse form balances the
+touched rows alone and leaves every other row (and its state) bit-identical. With every row
+touched every step the two are the same update. gamma = 0.18 (`SINKHORN_GAMMA`) scales the
+balanced update (unit RMS) to Adam's update size, so `lr` is the Adam learning rate the
+other table optimizers take.
 
 Why not optax: optax transforms map a dense gradient tree to a dense update tree, so a table
 update is O(R C) per step whatever the batch read; these functions gather and scatter the U
@@ -35,9 +56,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from v41jax.config.schema import TABLE_OPTIMIZERS
+from v41jax.config.schema import DENSE_TABLE_OPTIMIZERS, TABLE_OPTIMIZERS
+from v41jax.ops.sinkhorn_balance import SINKHORN_GAMMA, sinkhorn_balance
 
-SPARSE_TABLE_OPTIMIZERS = tuple(k for k in TABLE_OPTIMIZERS if k != "adam")
+SPARSE_TABLE_OPTIMIZERS = tuple(k for k in TABLE_OPTIMIZERS if k not in DENSE_TABLE_OPTIMIZERS)
 
 
 def check_kind(kind: str) -> None:
@@ -56,12 +78,23 @@ def init_state(kind: str, num_rows: int, row_dim: int, xp: Any = jnp) -> dict:
             "v": xp.zeros((num_rows, row_dim), xp.float32),
             "k": xp.zeros((num_rows, 1), xp.int32),
         }
+    if kind == "sinkhorn_sparse":
+        return {
+            "m": xp.zeros((num_rows, row_dim), xp.float32),
+            "s": xp.zeros((num_rows, 1), xp.int32),
+        }
     return {"acc": xp.zeros((num_rows, 1), xp.float32)}
 
 
 def state_bytes(kind: str, num_rows: int, row_dim: int) -> int:
     """Bytes of the optimizer state of one [num_rows, row_dim] table (dense adam: 2 moments)."""
-    per_row = {"adam": 8 * row_dim, "sparse_adam": 8 * row_dim + 4, "rowwise_adagrad": 4}
+    per_row = {
+        "adam": 8 * row_dim,
+        "sinkhorn": 4 * row_dim,
+        "sparse_adam": 8 * row_dim + 4,
+        "rowwise_adagrad": 4,
+        "sinkhorn_sparse": 4 * row_dim + 4,
+    }
     if kind not in per_row:
         raise ValueError(f"table optimizer {kind!r} not in {TABLE_OPTIMIZERS}")
     return per_row[kind] * num_rows
@@ -93,14 +126,21 @@ def sparse_update(
     b2: float = 0.95,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    momentum: float = 0.95,
+    step: Any = None,
+    reduce: Any = None,
     xp: Any = jnp,
 ):
     """(new table, new state) after one step at the unique rows `rows_U` (module doc).
 
     rows_U: int [U], distinct except for the fill value R (ignored); grads_UxC: float [U, C].
     With numpy (`xp=np`) the table and state are updated in place and returned.
+    sinkhorn_sparse only: momentum (mu), step (the 1-based step being taken, int or int32
+    scalar; required), reduce (sums over rows held by other shards: `sinkhorn_balance`).
     """
     check_kind(kind)
+    if kind == "sinkhorn_sparse" and step is None:
+        raise ValueError("sparse_update: sinkhorn_sparse needs the step being taken (step=)")
     if xp is np:
         rows_U = np.asarray(rows_U)
         valid = rows_U < table_RxC.shape[0]
@@ -124,6 +164,21 @@ def sparse_update(
             "m": _scatter(state["m"], rows_U, m, xp),
             "v": _scatter(state["v"], rows_U, v, xp),
             "k": _scatter(state["k"], rows_U, k, xp),
+        }
+    elif kind == "sinkhorn_sparse":
+        s = xp.asarray(step, xp.int32)
+        last = _gather(state["s"], rows_U, xp)
+        skipped = xp.where(last > 0, xp.maximum(s - last - 1, 0), 0).astype(xp.float32)
+        mu = xp.float32(momentum)
+        m = _gather(state["m"], rows_U, xp) * xp.power(mu, skipped)
+        m = mu * m + g
+        nesterov = g + mu * m
+        valid = rows_U < table_RxC.shape[0]
+        balanced = sinkhorn_balance(nesterov, valid, xp=xp, reduce=reduce)
+        new_t = t - lr * (xp.float32(SINKHORN_GAMMA) * balanced + weight_decay * t)
+        state = {
+            "m": _scatter(state["m"], rows_U, m, xp),
+            "s": _scatter(state["s"], rows_U, xp.broadcast_to(s, last.shape), xp),
         }
     else:
         acc = _gather(state["acc"], rows_U, xp) + xp.mean(g * g, axis=-1, keepdims=True)

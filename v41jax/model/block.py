@@ -78,10 +78,11 @@ def feature_outputs(cfg: ModelConfig, stats: list[LayerStats]) -> tuple[jax.Arra
     return aux_loss, metrics
 
 
-def feature_param_groups(cfg: ModelConfig) -> tuple[ParamGroup, ...]:
+def feature_param_groups(cfg: ModelConfig, table_optimizer: str = "adam") -> tuple[ParamGroup, ...]:
     """The optimizer groups the features ask for, to go first (first match wins) before the
-    run's own `optim.param_groups`: Engram's tables (`table_param_group`). () for none."""
-    return (table_param_group(cfg.engram),) if cfg.engram.enabled else ()
+    run's own `optim.param_groups`: Engram's tables (`table_param_group`, trained by
+    `table_optimizer`). () for none."""
+    return (table_param_group(cfg.engram, table_optimizer),) if cfg.engram.enabled else ()
 
 
 class BlockInputs(NamedTuple):

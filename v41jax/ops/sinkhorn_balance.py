@@ -27,6 +27,11 @@ over the touched ones), and equals the dense form's when every row is active.
 `row_valid` [R] marks the rows that take part (the row-sparse form passes its padding rows as
 invalid: they count in no mean, no column norm and get a zero update). Zero norms give zero,
 never NaN. Works on numpy (`xp=np`, host tables) and jax arrays alike, in float32.
+
+Rows split over devices (a row-sharded table, each shard balancing its own rows inside a
+`shard_map`) pass `reduce=lambda x: jax.lax.psum(x, axes)`: every sum over rows (the row-norm
+total and count, the column sums of squares, the RMS total) is then taken over all shards,
+so the shards together compute the unsharded balance.
 """
 
 from __future__ import annotations
@@ -55,13 +60,17 @@ def sinkhorn_balance(
     tau: float = SINKHORN_TAU,
     iters: int = SINKHORN_ITERS,
     xp: Any = jnp,
+    reduce: Any = None,
 ) -> Any:
     """The balanced update U [R, D] of the momentum matrix `m` [R, D] (equations above).
 
     row_valid: optional bool [R]; rows marked False take no part and come out zero.
     tau: inactive-row threshold relative to the mean row norm of the valid rows.
     iters: K alternating normalisations (row first); K = 0 only masks and scales.
+    reduce: completes a sum over rows held elsewhere (psum over the row shards); identity
+        when the rows are all here.
     """
+    total = (lambda x: x) if reduce is None else reduce
     if m.ndim != 2:
         raise ValueError(f"sinkhorn_balance takes a [rows, features] matrix, got shape {m.shape}")
     if iters < 0 or int(iters) != iters:
@@ -75,16 +84,18 @@ def sinkhorn_balance(
         raise ValueError(f"row_valid has shape {valid.shape}, expected ({rows},)")
     u = xp.where(valid[:, None], u, 0)
     norms = xp.sqrt(xp.sum(u * u, axis=1))
-    count = xp.maximum(xp.sum(valid), 1)
-    mean = xp.sum(norms) / count
+    count = xp.maximum(total(xp.sum(valid.astype(xp.float32))), 1)
+    mean = total(xp.sum(norms)) / count
     active = valid & (norms > tau * mean)
     u = xp.where(active[:, None], u, 0)
     for k in range(1, iters + 1):
-        axis = 1 if k % 2 else 0  # odd: normalise each row (over features); even: each column
-        norm = xp.sqrt(xp.sum(u * u, axis=axis, keepdims=True))
+        if k % 2:  # odd: each row to unit norm (its features are all here)
+            norm = xp.sqrt(xp.sum(u * u, axis=1, keepdims=True))
+        else:  # even: each column to unit norm, over the rows of every shard
+            norm = xp.sqrt(total(xp.sum(u * u, axis=0, keepdims=True)))
         u = _safe_divide(u, norm, xp)
-    entries = xp.sum(active) * u.shape[1]
-    rms = xp.sqrt(xp.sum(u * u) / xp.maximum(entries, 1))
+    entries = total(xp.sum(active.astype(xp.float32))) * u.shape[1]
+    rms = xp.sqrt(total(xp.sum(u * u)) / xp.maximum(entries, 1))
     return _safe_divide(u, rms, xp).astype(xp.float32)
 
 

@@ -21,6 +21,7 @@ import optax
 from flax import traverse_util
 
 from v41jax.config import Config, OptimConfig, ParamGroup
+from v41jax.ops.sinkhorn_balance import SINKHORN_GAMMA, sinkhorn_balanced_momentum
 
 DEFAULT_GROUP = "default"
 
@@ -72,6 +73,12 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, params) -> optax.Gradient
         g = group_cfg.get(name)
         scale = g.lr_scale if g else 1.0
         wd = cfg.weight_decay if g is None or g.weight_decay is None else g.weight_decay
+        if g is not None and g.rule == "sinkhorn":  # balanced momentum, unit RMS, x gamma
+            return optax.chain(
+                sinkhorn_balanced_momentum(g.momentum),
+                optax.add_decayed_weights(wd),
+                optax.scale_by_learning_rate(lr_schedule(cfg, total_steps, scale * SINKHORN_GAMMA)),
+            )
         return optax.adamw(
             lr_schedule(cfg, total_steps, scale),
             b1=cfg.b1,

@@ -38,7 +38,7 @@ class TrainState:
 def optimizer_config(cfg: Config) -> OptimConfig:
     """`cfg.optim` with the groups the model's features ask for put first (first match wins;
     e.g. Engram's tables, `feature_param_groups`)."""
-    groups = feature_param_groups(cfg.model)
+    groups = feature_param_groups(cfg.model, cfg.optim.table_optimizer)
     if not groups:
         return cfg.optim
     return dataclasses.replace(cfg.optim, param_groups=(*groups, *cfg.optim.param_groups))

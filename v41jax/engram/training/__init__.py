@@ -8,7 +8,7 @@ file     memory-mapped table files, updated like host tables          (`files`)
 
 from __future__ import annotations
 
-from v41jax.config import Config
+from v41jax.config import DENSE_TABLE_OPTIMIZERS, Config
 from v41jax.engram.training.device import DeviceTableStrategy
 from v41jax.engram.training.files import FileTableStrategy
 from v41jax.engram.training.host import HostTableStrategy
@@ -25,6 +25,6 @@ def table_strategy(cfg: Config) -> TableStrategy:
         return DeviceTableStrategy(cfg)
     if engram.table_placement == "host":
         return (FileTableStrategy if engram.table_path else HostTableStrategy)(cfg)
-    if cfg.optim.table_optimizer != "adam":
+    if cfg.optim.table_optimizer not in DENSE_TABLE_OPTIMIZERS:
         return SparseTableStrategy(cfg)
     return DeviceTableStrategy(cfg)

@@ -102,8 +102,11 @@ class HostTables:
                     batch[engram_rows_key(layer)][hit] = self.tables[layer][rows_u[hit]]
         return batch, host
 
-    def apply(self, rows_by_layer: dict, grads_by_layer: dict, lr: float) -> None:
-        """One sparse optimizer step per table at its rows u (fill entries dropped)."""
+    def apply(self, rows_by_layer: dict, grads_by_layer: dict, lr: float, step: int = 0) -> None:
+        """One sparse optimizer step per table at its rows u (fill entries dropped); `step`:
+        the step being taken (1-based; what sinkhorn_sparse's momentum decay counts)."""
+        if self.kind == "sinkhorn_sparse" and step < 1:
+            raise ValueError(f"HostTables.apply: sinkhorn_sparse needs the step (>= 1), got {step}")
         touched = {}
         for layer, rows_u in rows_by_layer.items():
             table, state = self.tables[layer], self.states[layer]
@@ -117,6 +120,8 @@ class HostTables:
                 {k: v[at] for k, v in state.items()},
                 np.asarray(grads_by_layer[layer]),
                 lr,
+                keep,
+                np.int32(step),
             )
             table[rows_u[keep]] = np.asarray(new_rows)[keep]
             for k, v in new_state.items():
@@ -127,13 +132,15 @@ class HostTables:
             self._log.append((self.version, touched))
             del self._log[:-8]  # batches are prefetched a few steps ahead at most
 
-    def _update(self, rows_UxC, state_rows, grads_UxC, lr):
-        """sparse_update on the gathered rows alone (rows 0..U-1 of a U-row table), jitted."""
+    def _update(self, rows_UxC, state_rows, grads_UxC, lr, keep_U, step):
+        """sparse_update on the gathered rows alone (rows 0..U-1 of a U-row table), jitted;
+        the fill entries (keep False) take no part: ids past the table, read as zeros."""
         if not hasattr(self, "_jitted"):
             o, engram = self.cfg.optim, self.cfg.model.engram
 
-            def update(rows, state, grads, lr):
-                ids = jnp.arange(rows.shape[0], dtype=jnp.int32)
+            def update(rows, state, grads, lr, keep, step):
+                n = rows.shape[0]
+                ids = jnp.where(keep, jnp.arange(n, dtype=jnp.int32), n)
                 return table_optim.sparse_update(
                     self.kind,
                     rows,
@@ -145,10 +152,12 @@ class HostTables:
                     b2=o.b2,
                     eps=o.eps,
                     weight_decay=engram.table_weight_decay,
+                    momentum=engram.table_momentum,
+                    step=step,
                 )
 
             self._jitted = jax.jit(update)
-        return self._jitted(rows_UxC, state_rows, grads_UxC, lr)
+        return self._jitted(rows_UxC, state_rows, grads_UxC, lr, keep_U, step)
 
     def checkpoint(self, step: int) -> dict | None:
         """What `Checkpointer.save` stores for step `step`: the arrays (`state_dict`), or for
@@ -224,7 +233,7 @@ class HostTableStrategy(SparseTableStrategy):
         state, metrics, grads = train_step(state, to_device(batch))
         grads, lr = jax.device_get((grads, metrics["lr"]))
         lr = np.float32(lr) * np.float32(self.cfg.model.engram.table_lr_scale)
-        self.tables.apply(rows, grads, lr)
+        self.tables.apply(rows, grads, lr, step=int(jax.device_get(state.step)))
         return state, metrics
 
     def eval_batch(self, batch: dict) -> dict:

@@ -204,7 +204,14 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule, module_nor
             owners,
         )
         lr = schedule(state.step) * engram.table_lr_scale
-        hyper = dict(b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=engram.table_weight_decay)
+        hyper = dict(
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=engram.table_weight_decay,
+            momentum=engram.table_momentum,
+            step=state.step + 1,  # the step being taken (sinkhorn_sparse's decay)
+        )
         new_tables, table_states = dict(tables), dict(state.opt_state["tables"])
         paths = table_paths(traverse_util.unflatten_dict(tables))
         for layer, (rows, _, _) in gathered.items():
