@@ -401,11 +401,18 @@ def _cut(path, keep=None):
 
 
 def test_a_damaged_drafter_checkpoint_is_named_and_left_in_place(drafter, capsys):
-    """load_drafter (generate --drafter) reads as load_run does: checkpoint 8 cut, step 4."""
+    """load_drafter (generate --drafter) reads as load_run does: checkpoint 8 cut, step 4.
+
+    load_drafter reads the params alone, so the cut must reach them: every array data file
+    of step 8 is cut (which of orbax's data files holds the params varies from save to
+    save; a cut that reaches only optimizer moments leaves what decoding reads intact)."""
     workdir = _copy(drafter, "damaged")
     state = os.path.join(workdir, "checkpoints", "8", "state")
-    _cut(max((os.path.join(r, f) for r, _, fs in os.walk(state) for f in fs),
-             key=os.path.getsize))  # fmt: skip
+    data_files = [os.path.join(r, f) for r, _, fs in os.walk(state) for f in fs
+                  if os.path.basename(r) == "d"]  # fmt: skip
+    assert data_files
+    for path in data_files:
+        _cut(path)
     before = _snapshot(workdir)
     capsys.readouterr()
     _, params, record = load_drafter(workdir)

@@ -54,15 +54,26 @@ def test_cached_decoding_equals_the_full_forward(bias, norm):
 
 def test_run_identities_recorded_before_the_fields_existed_stay_valid():
     """A drafter records its target's `run_identity`: the hashes of the named configs as
-    computed before attention_bias / qk_norm existed (the previous release) still match;
-    turning a feature on changes the hash."""
+    computed before attention_bias / qk_norm / engram.table_momentum existed (the previous
+    release) still match; turning a feature on, or moving the new field off its default,
+    changes the hash."""
     import dataclasses
 
     from v41jax.config import get_config
     from v41jax.train.resume import run_identity
 
-    assert run_identity(get_config("tiny")) == "0fe5a6e467cec1a8"
-    assert run_identity(get_config("small")) == "94f1714d4e828254"
+    recorded = {  # every named config, hashed by the release before these fields
+        "1b": "d956e80168b5d6ad", "1b-engram": "3fa6a7735045ed64", "1b-mhc": "583c55ec9a0ed241",
+        "8b": "ee0409c564e805ec", "8b-engram": "165943580bb68c30", "8b-mhc": "1a0abb1b20d41488",
+        "small": "94f1714d4e828254", "tiny": "0fe5a6e467cec1a8",
+    }  # fmt: skip
+    assert {name: run_identity(get_config(name)) for name in recorded} == recorded
     cfg = get_config("tiny")
     on = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, qk_norm=True))
     assert run_identity(on) != run_identity(cfg)
+    engram = dataclasses.replace(cfg.model.engram, table_momentum=0.9)
+    moved = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, engram=engram))
+    assert run_identity(moved) != run_identity(cfg)
+    groups = tuple(dataclasses.replace(g, rule="sinkhorn") for g in cfg.optim.param_groups)
+    ruled = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, param_groups=groups))
+    assert groups and run_identity(ruled) != run_identity(cfg)

@@ -130,9 +130,30 @@ def reconcile(saved: Config, new: Config, latest_step: int | None, workdir: str)
     return new, shown + notes
 
 
-# Model fields added after runs were recorded by identity (drafters record their target's):
-# at these defaults they are left out of the hash, so such records stay valid.
-ADDED_MODEL_FIELDS = {"attention_bias": False, "qk_norm": False}
+# Config fields added after runs were recorded by identity (drafters record their target's):
+# at these defaults they are left out of the hash, so such records stay valid. Dotted paths
+# from the config's root; "*" stands for every item of a list (the optimizer's groups).
+ADDED_FIELDS = {
+    "model.attention_bias": False,
+    "model.qk_norm": False,
+    "model.engram.table_momentum": 0.95,
+    "optim.param_groups.*.rule": "adamw",
+    "optim.param_groups.*.momentum": 0.95,
+}
+
+
+def _drop_at_default(node, path: list[str], default) -> None:
+    """Delete `path` under `node` (dicts, and lists where the path says "*") where it holds
+    `default`; paths that are absent are left alone."""
+    head, *rest = path
+    if head == "*":
+        for item in node if isinstance(node, list) else ():
+            _drop_at_default(item, rest, default)
+    elif isinstance(node, dict) and head in node:
+        if rest:
+            _drop_at_default(node[head], rest, default)
+        elif node[head] == default:
+            del node[head]
 
 
 def run_identity(cfg: Config) -> str:
@@ -141,9 +162,8 @@ def run_identity(cfg: Config) -> str:
     are the same model trained on the same data, possibly for different numbers of steps (a
     drafter records its target's, `v41jax.dspark.train.record`)."""
     tree = config_lib.to_dict(cfg)
-    for key, default in ADDED_MODEL_FIELDS.items():  # absent from older runs' hashes
-        if tree["model"].get(key) == default:
-            del tree["model"][key]
+    for key, default in ADDED_FIELDS.items():  # absent from older runs' hashes
+        _drop_at_default(tree, key.split("."), default)
     for key in (*RESUMABLE_FIELDS, "generate", "mesh"):
         *sections, leaf = key.split(".")
         node = tree
