@@ -60,9 +60,7 @@ def test_the_device_state_holds_no_table():
 
 
 @pytest.mark.e2e
-# sinkhorn_sparse is not here yet: its cross-row sums round differently in the host and the
-# device programs, and 50 steps amplify it (issue 34, open)
-@pytest.mark.parametrize("kind", ["sparse_adam"])
+@pytest.mark.parametrize("kind", ["sparse_adam", "sinkhorn_sparse"])
 def test_host_run_equals_device_run_and_survives_sigkill(tmp_path, kind):
     optimizer = f"optim.table_optimizer={kind}"
     device = str(tmp_path / "device")

@@ -45,14 +45,17 @@ update is O(R C) per step whatever the batch read; these functions gather and sc
 rows only (in place when the caller donates the state), O(U C) per step.
 
 Row ids u may hold the fill value R (padding of a fixed-size unique): those entries are
-dropped (never read, never written). The same functions run on numpy arrays (`xp=np`) for
-tables in host memory; both forms agree to float32 rounding.
+dropped (never read, never written). The same functions run on numpy arrays (`xp=np`); both
+forms agree to float32 rounding. Host tables run them jitted on the gathered rows
+(`gathered_update_program`), the program device sinkhorn_sparse tables run too.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -185,6 +188,37 @@ def sparse_update(
         new_t = t - lr * (g / (xp.sqrt(acc) + eps) + weight_decay * t)
         state = {"acc": _scatter(state["acc"], rows_U, acc, xp)}
     return _scatter(table_RxC, rows_U, new_t, xp), state
+
+
+def gathered_update_program(kind: str, **hyper):
+    """The jitted `sparse_update` of rows already gathered, the one program that both host
+    tables and (for sinkhorn_sparse) device tables run, so that they round alike:
+
+        program(rows [N, C], state_rows {name: [N, ...]}, grads [N, C], lr, keep [N] bool,
+                step) -> (new rows [N, C], new state rows)
+
+    rows i with keep[i] False (the fill entries of a padded unique) take no part; their
+    outputs are garbage and dropped by the caller. hyper: `sparse_update`'s keywords (b1,
+    b2, eps, weight_decay, momentum).
+
+    Why one compiled program: XLA rounds the same arithmetic differently depending on the
+    program it is fused into (contracted multiply-adds, reduction orders), and the
+    Sinkhorn balance amplifies a one-ulp gap into a visible one within tens of steps (each
+    row's update has unit norm however small its momentum). One executable, called with the
+    same inputs, gives bit-identical outputs wherever it runs the same backend."""
+    return _gathered_update_program(kind, tuple(sorted(hyper.items())))
+
+
+@functools.cache
+def _gathered_update_program(kind: str, hyper: tuple):
+    check_kind(kind)
+
+    def update(rows, state_rows, grads, lr, keep, step):
+        n = rows.shape[0]
+        ids = jnp.where(keep, jnp.arange(n, dtype=jnp.int32), n)
+        return sparse_update(kind, rows, state_rows, ids, grads, lr, step=step, **dict(hyper))
+
+    return jax.jit(update)
 
 
 def unique_rows(ids, num_rows: int):

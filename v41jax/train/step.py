@@ -80,7 +80,8 @@ def _forward_loss(model, params, batch, z_loss):
 def make_train_step(
     cfg: Config, mesh: Mesh, model, optimizer, state_shardings: TrainState
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """jit(train_step) with state and batch shardings; the input state is donated."""
+    """jit(train_step) with state and batch shardings; the input state is donated. The
+    function returned runs it, then the table strategy's `finish_step` on its outputs."""
     schedule = lr_schedule(cfg.optim, schedule_length(cfg))
     z_loss = cfg.optim.z_loss
 
@@ -117,7 +118,7 @@ def make_train_step(
         out_shardings=out_shardings,
         donate_argnums=(0,),
     )
-    return _with_mesh(mesh, jitted)
+    return _with_mesh(mesh, jitted, finish=tables.finish_step)
 
 
 def make_eval_step(cfg: Config, mesh: Mesh, model, param_shardings) -> Callable:
@@ -142,13 +143,15 @@ def _batch_shardings(cfg: Config, mesh: Mesh) -> dict:
     return table_strategy(cfg).batch_shardings(out, sharding.replicated(mesh))
 
 
-def _with_mesh(mesh: Mesh, fn: Callable) -> Callable:
+def _with_mesh(mesh: Mesh, fn: Callable, finish: Callable | None = None) -> Callable:
     """Trace and run `fn` with the mesh and logical-axis rules active, so the modules'
-    `nn.with_logical_constraint` calls become real sharding constraints."""
+    `nn.with_logical_constraint` calls become real sharding constraints; `finish` (the table
+    strategy's `finish_step`) takes its outputs. `.jitted` is `fn` itself (to lower)."""
 
     def wrapped(*args):
         with jax.set_mesh(mesh), sharding.axis_rules():
-            return fn(*args)
+            out = fn(*args)
+            return out if finish is None else finish(out)
 
     wrapped.jitted = fn
     return wrapped

@@ -50,6 +50,9 @@ class DeviceTableStrategy:
     def batch_shardings(self, shardings: dict, replicated) -> dict:
         return shardings
 
+    def finish_step(self, outputs: tuple) -> tuple:
+        return outputs
+
     # running
     def open(self, checkpointer, step: int, workdir: str, init_tables, source_tables=None):
         return None

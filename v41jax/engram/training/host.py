@@ -29,7 +29,6 @@ import dataclasses
 import threading
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from v41jax.config import Config
@@ -133,31 +132,19 @@ class HostTables:
             del self._log[:-8]  # batches are prefetched a few steps ahead at most
 
     def _update(self, rows_UxC, state_rows, grads_UxC, lr, keep_U, step):
-        """sparse_update on the gathered rows alone (rows 0..U-1 of a U-row table), jitted;
-        the fill entries (keep False) take no part: ids past the table, read as zeros."""
-        if not hasattr(self, "_jitted"):
-            o, engram = self.cfg.optim, self.cfg.model.engram
-
-            def update(rows, state, grads, lr, keep, step):
-                n = rows.shape[0]
-                ids = jnp.where(keep, jnp.arange(n, dtype=jnp.int32), n)
-                return table_optim.sparse_update(
-                    self.kind,
-                    rows,
-                    state,
-                    ids,
-                    grads,
-                    lr,
-                    b1=o.b1,
-                    b2=o.b2,
-                    eps=o.eps,
-                    weight_decay=engram.table_weight_decay,
-                    momentum=engram.table_momentum,
-                    step=step,
-                )
-
-            self._jitted = jax.jit(update)
-        return self._jitted(rows_UxC, state_rows, grads_UxC, lr, keep_U, step)
+        """sparse_update on the gathered rows alone (`table_optim.gathered_update_program`,
+        the program device sinkhorn_sparse tables run too); fill entries (keep False) take
+        no part."""
+        o, engram = self.cfg.optim, self.cfg.model.engram
+        program = table_optim.gathered_update_program(
+            self.kind,
+            b1=o.b1,
+            b2=o.b2,
+            eps=o.eps,
+            weight_decay=engram.table_weight_decay,
+            momentum=engram.table_momentum,
+        )
+        return program(rows_UxC, state_rows, grads_UxC, lr, keep_U, step)
 
     def checkpoint(self, step: int) -> dict | None:
         """What `Checkpointer.save` stores for step `step`: the arrays (`state_dict`), or for
@@ -208,6 +195,9 @@ class HostTableStrategy(SparseTableStrategy):
 
     def step_out_shardings(self, out_shardings: tuple, replicated) -> tuple:
         return (*out_shardings, replicated)  # the row gradients, read back by the host
+
+    def finish_step(self, outputs: tuple) -> tuple:
+        return outputs  # the host applies the row gradients in `step`
 
     def batch_shardings(self, shardings: dict, replicated) -> dict:
         layers = self.cfg.model.engram.layer_ids  # every device reads all gathered rows

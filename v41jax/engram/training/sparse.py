@@ -1,7 +1,7 @@
 """Row-sparse Engram table training inside the train step (`optim.table_optimizer`).
 
-With `sparse_adam` or `rowwise_adagrad` the tables stay in `state.params` (same checkpoint
-layout as dense training) but leave optax: the optimizer state is
+With `sparse_adam`, `rowwise_adagrad` or `sinkhorn_sparse` the tables stay in `state.params`
+(same checkpoint layout as dense training) but leave optax: the optimizer state is
 
     {"dense": optax state of the other params, "tables": {table path: row-sparse state}}
 
@@ -12,6 +12,9 @@ and a step, per Engram layer with flat row ids x [B, T, H]:
     loss(params without tables, e)        the model reads e[s] (`ENGRAM_ROWS_PREFIX` extras)
     g_e = d loss / d e                    [N, C]: one gradient per distinct row
     T, state <- sparse_update(T, state, u, g_e)        (`v41jax.engram.table_optim`)
+
+(sinkhorn_sparse: the last line runs after the step, in the program host tables run,
+`apply_deferred`: its balance amplifies the rounding differences between programs.)
 
 so no array of the table's size is read, written or differentiated except in place. The
 global-norm clip covers the other params' gradients and g_e together, as dense training's
@@ -27,6 +30,7 @@ and updates its own shard of the table and of the optimizer state in place
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +51,11 @@ from v41jax.engram.sharded_update import (
 from v41jax.engram.training.device import DeviceTableStrategy
 from v41jax.engram.tree_keys import TABLE_LEAF, engram_ids_key, engram_rows_key
 from v41jax.engram.tree_keys import engram_table_paths as table_paths
+
+# Row-sparse kinds whose table update leaves the jitted step for its own program, the one
+# host tables run (`table_optim.gathered_update_program`): the Sinkhorn balance amplifies the
+# rounding differences between programs. Row-sharded layers (all-to-all) update in the step.
+DEFERRED_KINDS = ("sinkhorn_sparse",)
 
 
 def split_tables(params):
@@ -184,6 +193,7 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule, module_nor
     """
     o, engram = cfg.optim, cfg.model.engram
     kind = o.table_optimizer
+    defer = kind in DEFERRED_KINDS
 
     def train_step(state, batch):
         rest, tables = split_tables(state.params)
@@ -214,8 +224,19 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule, module_nor
         )
         new_tables, table_states = dict(tables), dict(state.opt_state["tables"])
         paths = table_paths(traverse_util.unflatten_dict(tables))
+        deferred = {}
         for layer, (rows, _, _) in gathered.items():
             path, key = paths[layer], state_key(paths[layer])
+            if defer and layer not in plans:  # updated after the step (`apply_deferred`)
+                num_rows = tables[path].shape[0]
+                at = jnp.minimum(rows, num_rows - 1)  # fill entries: computed, discarded
+                deferred[layer] = {
+                    "rows": rows,
+                    "table_rows": tables[path][at],
+                    "state_rows": {k: v[at] for k, v in table_states[key].items()},
+                    "grads": g_rows[layer],
+                }
+                continue
             if layer in plans:  # each owner updates its own shard with what it received
                 new_tables[path], table_states[key] = sharded_sparse_update(
                     plans[layer],
@@ -235,19 +256,75 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule, module_nor
         new_state = state.replace(
             step=state.step + 1, params=merge_tables(rest, new_tables), opt_state=opt_state
         )
-        return new_state, dict(metrics, lr=schedule(state.step))
+        metrics = dict(metrics, lr=schedule(state.step))
+        if defer:
+            return new_state, metrics, {"lr": lr, "step": state.step + 1, "layers": deferred}
+        return new_state, metrics
 
     return train_step
 
 
+def apply_deferred(cfg: Config, state, deferred: dict):
+    """The table update a sinkhorn_sparse step left for after it (`DEFERRED_KINDS`): per
+    layer, `table_optim.gathered_update_program` on the rows the step gathered (the program
+    host tables run), then their scatter into the table and its state, in place. Returns
+    the state with the new tables and table states."""
+    o, engram = cfg.optim, cfg.model.engram
+    program = table_optim.gathered_update_program(
+        o.table_optimizer,
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=engram.table_weight_decay,
+        momentum=engram.table_momentum,
+    )
+    rest, tables = split_tables(state.params)
+    table_states = dict(state.opt_state["tables"])
+    paths = table_paths(traverse_util.unflatten_dict(tables))
+    for layer, d in deferred["layers"].items():
+        path, key = paths[layer], state_key(paths[layer])
+        keep = d["rows"] < tables[path].shape[0]
+        new_rows, new_state = program(
+            d["table_rows"], d["state_rows"], d["grads"], deferred["lr"], keep, deferred["step"]
+        )
+        tables[path], table_states[key] = _scatter_rows(
+            tables[path], table_states[key], d["rows"], new_rows, new_state
+        )
+    opt_state = {**state.opt_state, "tables": table_states}
+    return state.replace(params=merge_tables(rest, tables), opt_state=opt_state)
+
+
+def _scatter_rows(table, table_state: dict, rows, new_rows, new_state: dict):
+    """table[rows] = new_rows and each state[rows] = its new rows, in place (donated); fill
+    ids (R) are dropped. The outputs keep the inputs' shardings."""
+    shardings = (table.sharding, {k: v.sharding for k, v in table_state.items()})
+    return _scatter_program(shardings[0], tuple(sorted(shardings[1].items())))(
+        table, table_state, rows, new_rows, new_state
+    )
+
+
+@functools.cache
+def _scatter_program(table_sharding, state_shardings: tuple):
+    def scatter(table, table_state, rows, new_rows, new_state):
+        out = {
+            k: v.at[rows].set(new_state[k].astype(v.dtype), mode="drop")
+            for k, v in table_state.items()
+        }
+        return table.at[rows].set(new_rows.astype(table.dtype), mode="drop"), out
+
+    out_shardings = (table_sharding, dict(state_shardings))
+    return jax.jit(scatter, donate_argnums=(0, 1), out_shardings=out_shardings)
+
+
 class SparseTableStrategy(DeviceTableStrategy):
-    """Row-sparse tables on the device (`optim.table_optimizer` sparse_adam or
-    rowwise_adagrad, `table_placement` "device"; module doc).
+    """Row-sparse tables on the device (`optim.table_optimizer` sparse_adam,
+    rowwise_adagrad or sinkhorn_sparse, `table_placement` "device"; module doc).
 
     Keeps: each table [R, C] in TrainState.params (the checkpoint layout of dense training);
     its row-sparse state in opt_state["tables"]["block_<l>/engram/table"] (sparse_adam: m, v
-    [R, C], k [R, 1]; rowwise_adagrad: acc [R, 1]) with the table's row sharding; optax
-    ({"dense": ...}) covers the other params, unclipped: the step clips all gradients.
+    [R, C], k [R, 1]; rowwise_adagrad: acc [R, 1]; sinkhorn_sparse: m [R, C], s [R, 1])
+    with the table's row sharding; optax ({"dense": ...}) covers the other params,
+    unclipped: the step clips all gradients.
     Step cost: per layer a gather of the batch's U <= B T H distinct rows [U, C] and a
     scatter of their update; nothing of the table's size is read or written."""
 
@@ -272,3 +349,15 @@ class SparseTableStrategy(DeviceTableStrategy):
 
     def train_step(self, dense_step, forward_loss, optimizer, schedule, module_norms):
         return sparse_train_step(self.cfg, forward_loss, optimizer, schedule, module_norms)
+
+    def step_out_shardings(self, out_shardings: tuple, replicated) -> tuple:
+        if self.cfg.optim.table_optimizer in DEFERRED_KINDS:
+            return (*out_shardings, replicated)  # the gathered rows `apply_deferred` reads
+        return out_shardings
+
+    def finish_step(self, outputs: tuple) -> tuple:
+        """(state, metrics); for `DEFERRED_KINDS` after the table update the step left."""
+        if self.cfg.optim.table_optimizer not in DEFERRED_KINDS:
+            return outputs
+        state, metrics, deferred = outputs
+        return apply_deferred(self.cfg, state, deferred), metrics

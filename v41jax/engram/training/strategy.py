@@ -23,6 +23,8 @@ trainer calls them all unconditionally. The methods, in the order a run calls th
   building the step (`make_train_step`)
     train_step(dense_step, forward_loss, optimizer, schedule, module_norms) -> step fn
     step_out_shardings(out_shardings, replicated) -> the step's out_shardings
+    finish_step(outputs)          -> the jitted step's outputs after any work of its own
+                                  (run by the step `make_train_step` returns)
     batch_shardings(shardings, replicated)        -> the batch's in_shardings
 
   running (`train`): state outside the TrainState, checkpointed with it
@@ -91,6 +93,10 @@ class TableStrategy(Protocol):
 
     def batch_shardings(self, shardings: dict, replicated: Any) -> dict:
         """The batch's in_shardings {key: sharding}, plus entries this placement adds."""
+
+    def finish_step(self, outputs: tuple) -> tuple:
+        """What the step function returns, given the jitted step's outputs: usually them
+        unchanged; sparse sinkhorn tables run their row update here (its own program)."""
 
     def open(
         self,
