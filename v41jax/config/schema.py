@@ -18,6 +18,11 @@ from v41jax.config.mhc import MHCConfig
 
 GroupRule = Literal["adamw", "sinkhorn"]
 GROUP_RULES = typing.get_args(GroupRule)
+# optim.recipe: "adamw" everywhere (each group its own LR scale and decay), or DeepSeek-V4.1's
+# "v41": Muon for the linear maps, the Sinkhorn-balanced update for the Engram tables, the
+# token embedding and the output head, AdamW for the rest (v41jax.train.optimizer).
+Recipe = Literal["adamw", "v41"]
+RECIPES = typing.get_args(Recipe)
 Dtype = Literal["float32", "bfloat16", "float16"]
 DTYPES = typing.get_args(Dtype)
 # model.attention_impl: "auto" picks by the platform the program is lowered for (see
@@ -171,6 +176,19 @@ class OptimConfig:
     # the sparse rules keep lr x model.engram.table_lr_scale and table_weight_decay.
     table_optimizer: TableOptimizer = "adam"
     z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2)
+    # "adamw" or "v41" (RECIPES). Under "v41" a dense table optimizer is the recipe's
+    # Sinkhorn-balanced update ("adam", the default, reads as "sinkhorn"); param_groups
+    # still match first (their rule and LR scale win), the recipe decides the rest.
+    recipe: Recipe = "adamw"
+
+    @property
+    def tables_trained_by(self) -> str:
+        """`table_optimizer` as the run trains the tables: under recipe "v41" the dense
+        "adam" (the default) reads as the recipe's "sinkhorn"."""
+        if self.recipe == "v41" and self.table_optimizer == "adam":
+            return "sinkhorn"
+        return self.table_optimizer
+
     param_groups: tuple[ParamGroup, ...] = (
         ParamGroup("no_decay", r"(scale|bias)$", weight_decay=0.0),
     )
@@ -322,6 +340,7 @@ def validate(cfg: Config) -> None:
             0.0 <= g.momentum < 1.0,
             f"optim.param_groups {g.name!r}: momentum={g.momentum} not in [0, 1)",
         )
+    _require(o.recipe in RECIPES, f"optim.recipe={o.recipe!r} not in {RECIPES}")
     _require(o.schedule_steps >= 0, f"optim.schedule_steps={o.schedule_steps} must be >= 0")
     _require(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0")
     _require(0.0 <= o.min_lr_ratio <= 1.0, f"optim.min_lr_ratio={o.min_lr_ratio} not in [0, 1]")

@@ -46,6 +46,7 @@ from v41jax.model.moe import (
     route,
     routed_experts,
 )
+from v41jax.model.param_roles import ParamRole, param_role
 from v41jax.model.transformer import (
     FFN_KINDS,
     Block,
@@ -86,6 +87,8 @@ __all__ = [
     "count_params",
     "expert_capacity",
     "feature_param_groups",
+    "ParamRole",
+    "param_role",
     "ffn_kind_for_layer",
     "init_inputs",
     "init_params",

@@ -50,7 +50,7 @@ from v41jax.train.resume import (
 from v41jax.train.run import Run
 from v41jax.train.run_files import write_run_files
 from v41jax.train.runs import LoadedRun, load_run
-from v41jax.train.state import init_table_arrays, make_state_fns
+from v41jax.train.state import describe_optimizer, init_table_arrays, make_state_fns
 from v41jax.train.step import device_batch, make_eval_step, make_train_step
 from v41jax.train.steploop import Cadence, run_steps
 from v41jax.train.workdir import as_path, check_local_features
@@ -281,6 +281,14 @@ def _train_locked(cfg: Config, workdir: str | os.PathLike, *, progress: bool) ->
             f"checkpoint {start} is inconsistent: iterator step {iterator.step}, "
             f"state step {int(state.step)}"
         )
+    groups = describe_optimizer(cfg, abstract.params)
+    run.write_json("optimizer.json", {"recipe": cfg.optim.recipe, "groups": groups})
+    if main:
+        for g in groups:
+            print(
+                f"optimizer group {g['group']}: {g['rule']}, peak lr {g['peak_lr']:.3g} "
+                f"({g['scaling']}), weight decay {g['weight_decay']:g}"
+            )
     train_step = make_train_step(cfg, mesh, model, optimizer, shardings)
     eval_step = make_eval_step(cfg, mesh, model, shardings.params)
     add_ids = functools.partial(add_engram_ids, compression=data.compression, cfg=cfg.model)

@@ -139,6 +139,7 @@ ADDED_FIELDS = {
     "model.engram.table_momentum": 0.95,
     "optim.param_groups.*.rule": "adamw",
     "optim.param_groups.*.momentum": 0.95,
+    "optim.recipe": "adamw",
 }
 
 

@@ -18,11 +18,12 @@ from flax import struct
 from jax.sharding import Mesh
 
 from v41jax import sharding
-from v41jax.config import Config, OptimConfig
+from v41jax.config import DENSE_TABLE_OPTIMIZERS, Config, OptimConfig
 from v41jax.engram.training import table_strategy
 from v41jax.engram.training.sparse import split_tables
 from v41jax.model import Transformer, feature_param_groups, init_inputs
-from v41jax.train.optimizer import make_optimizer, schedule_length
+from v41jax.ops.sinkhorn_balance import SINKHORN_GAMMA
+from v41jax.train.optimizer import make_optimizer, optimizer_groups, schedule_length
 
 
 @struct.dataclass
@@ -38,10 +39,35 @@ class TrainState:
 def optimizer_config(cfg: Config) -> OptimConfig:
     """`cfg.optim` with the groups the model's features ask for put first (first match wins;
     e.g. Engram's tables, `feature_param_groups`)."""
-    groups = feature_param_groups(cfg.model, cfg.optim.table_optimizer)
+    groups = feature_param_groups(cfg.model, cfg.optim.tables_trained_by)
     if not groups:
         return cfg.optim
     return dataclasses.replace(cfg.optim, param_groups=(*groups, *cfg.optim.param_groups))
+
+
+def describe_optimizer(cfg: Config, state_params) -> list[dict]:
+    """Each optimizer group of the run with its rule, peak LR and scaling rule
+    (`optimizer_groups`), for the params of its TrainState (`state_params`, plain or
+    ShapeDtypeStructs), plus a row for row-sparse Engram tables, which optax does not see."""
+    tables = table_strategy(cfg)
+    optim = tables.optax_config(optimizer_config(cfg))
+    rows = optimizer_groups(optim, schedule_length(cfg), tables.optax_params(state_params))
+    kind, engram = cfg.optim.table_optimizer, cfg.model.engram
+    if engram.enabled and kind not in DENSE_TABLE_OPTIMIZERS:
+        gamma = SINKHORN_GAMMA if kind == "sinkhorn_sparse" else 1.0
+        scaling = f"lr x {engram.table_lr_scale:g}" + (f" x gamma {gamma:g}" if gamma != 1 else "")
+        rows.append(
+            {
+                "group": "engram_tables",
+                "rule": f"{kind} (row-sparse, {engram.table_placement} tables)",
+                "peak_lr": cfg.optim.lr * engram.table_lr_scale * gamma,
+                "scaling": scaling,
+                "weight_decay": engram.table_weight_decay,
+                "leaves": len(engram.layer_ids),
+                "params": None,  # kept outside the state (host, file) or not counted here
+            }
+        )
+    return rows
 
 
 def build_model(cfg: Config) -> Transformer:
