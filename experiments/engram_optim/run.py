@@ -1,0 +1,206 @@
+"""Regenerate the Engram table-optimizer study: train every run, measure it, tables and plots.
+
+    python experiments/engram_optim/run.py [--setting full|quick] [--runs-dir D] [--out-dir D]
+                                           [--limit N]
+
+Each run (config.py) is a v41jax workdir trained by the ordinary training loop, so the same
+command again resumes a killed run from its last checkpoint and skips finished ones (their
+measurements are cached in `<workdir>/cell.json`); `--limit N` stops after N runs trained,
+so the study can be run a few hours at a time. Stage 2 (the other seeds at each arm's best
+lr) starts for a table size once all of its stage-1 runs are measured. Per run:
+
+- val_loss: validation loss after the run's steps (every run: the same batches);
+- rare_loss: the loss on the validation tokens whose preceding bigram (compressed ids) is
+  rare in the training stream (seen fewer than 10 times: `v41jax.sweep.analysis`, the split of
+  experiments/engram_vs_ffn);
+- state_bytes: the optimizer state on the device (from the abstract train state);
+  table_state_bytes: the part that belongs to the Engram tables;
+- step_ms: the median train-step time from metrics.jsonl (the first logged interval, which
+  pays for compilation, left out).
+
+After every run, summary.json ({"setting", "machine", "commit", "runs": [...], "pending"}),
+tables.md and the PNGs are written again, so a study cut short still reports what it has.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import config as C  # noqa: E402
+import report  # noqa: E402
+
+from v41jax.engram import table_optim  # noqa: E402
+from v41jax.engram.primes import stored_table_rows  # noqa: E402
+from v41jax.sharding import make_mesh  # noqa: E402
+from v41jax.sweep import experiment_dirs, record_setting  # noqa: E402
+from v41jax.sweep.analysis import analyze_run  # noqa: E402
+from v41jax.train import train  # noqa: E402
+from v41jax.train.metrics import read_metrics  # noqa: E402
+from v41jax.train.state import make_state_fns  # noqa: E402
+
+
+def state_bytes(cfg) -> tuple[int, int]:
+    """(bytes of the whole optimizer state, bytes of the tables' part of it)."""
+    _, _, _, _, abstract = make_state_fns(cfg, make_mesh(cfg.mesh))
+    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract.opt_state))
+    engram, kind = cfg.model.engram, cfg.optim.tables_trained_by
+    tables = sum(
+        table_optim.state_bytes(kind, stored_table_rows(engram, layer), engram.head_dim)
+        for layer in engram.layer_ids
+    )
+    return int(total), int(tables)
+
+
+def measure(run, cfg, workdir: str, result: dict) -> dict:
+    path = os.path.join(workdir, "cell.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    rows = [r for r in read_metrics(os.path.join(workdir, "metrics.jsonl")) if "tokens_per_s" in r]
+    tokens = cfg.data.global_batch_size * cfg.data.seq_len
+    step_ms = [1e3 * tokens / r["tokens_per_s"] for r in rows[1:]] or [float("nan")]
+    split = analyze_run(workdir, engram_off=False, num_batches=cfg.train.eval_batches)
+    total, tables = state_bytes(cfg)
+    size, opt, recipe, lr, seed = run
+    entry = {
+        "optimizer": opt,
+        "recipe": recipe,
+        "placement": cfg.model.engram.table_placement,
+        "table_params": size,
+        "table_params_exact": int(
+            sum(
+                stored_table_rows(cfg.model.engram, layer) * cfg.model.engram.head_dim
+                for layer in cfg.model.engram.layer_ids
+            )
+        ),
+        "lr": lr,
+        "seed": seed,
+        "steps": cfg.train.steps,
+        "val_loss": result["val_loss"],
+        "rare_loss": split["groups"]["context_bigram"]["rare"]["loss"],
+        "rare_share": split["groups"]["context_bigram"]["rare"]["share"],
+        "state_bytes": total,
+        "table_state_bytes": tables,
+        "step_ms": float(np.median(step_ms)),
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(entry, f, indent=2)
+    os.replace(tmp, path)
+    return entry
+
+
+def machine() -> dict:
+    processor = platform.processor() or platform.machine()
+    try:  # the CPU's model name, where Linux says it
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        processor = names[0] if names else processor
+    except OSError:
+        pass
+    return {
+        "platform": platform.platform(),
+        "processor": processor,
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+    }
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def best_lrs(measured: dict, setting: str) -> dict:
+    """{arm: lr} for the arms whose stage-1 runs are all measured: the lowest val loss."""
+    out = {}
+    for run in C.first_stage(setting):
+        key = C.arm(run)
+        runs = [r for r in C.first_stage(setting) if C.arm(r) == key]
+        if all(r in measured for r in runs):
+            out[key] = min(runs, key=lambda r: measured[r]["val_loss"])[3]
+    return out
+
+
+def write_results(out_dir: str, setting: str, measured: dict, pending: list) -> str:
+    runs = [measured[r] for r in [*C.first_stage(setting), *sorted(set(measured) - set(
+        C.first_stage(setting)))] if r in measured]  # fmt: skip
+    summary = {
+        "setting": setting,
+        "grid": {k: v for k, v in C.SETTINGS[setting].items()},
+        "machine": machine(),
+        "commit": commit(),
+        "runs": runs,
+        "pending": [C.run_name(r) for r in pending],
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, "summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, "summary.json"))
+    tables = report.render_tables(summary)
+    with open(os.path.join(out_dir, "tables.md"), "w") as f:
+        f.write(tables)
+    report.plots(summary, out_dir)
+    return tables
+
+
+def planned(setting: str, measured: dict) -> list:
+    """Every run to do now: stage 1, and stage 2 of the arms whose stage 1 is measured."""
+    return C.first_stage(setting) + C.second_stage(setting, best_lrs(measured, setting))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--setting", default="full", choices=sorted(C.SETTINGS))
+    p.add_argument("--runs-dir", default=None)
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--limit", type=int, default=0, help="train at most N runs, then stop")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
+    args = p.parse_args(argv)
+    runs_dir, out_dir = experiment_dirs(HERE, args.setting, args.runs_dir, args.out_dir)
+    record_setting(runs_dir, __file__, args.setting)
+    measured: dict = {}
+    for run in planned(args.setting, measured):  # cached measurements first
+        path = os.path.join(runs_dir, C.run_name(run), "cell.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                measured[run] = json.load(f)
+    trained = 0
+    while True:
+        todo = [r for r in planned(args.setting, measured) if r not in measured]
+        if not todo or (args.limit and trained >= args.limit):
+            break
+        run = todo[0]
+        cfg = C.get_config(run, args.setting)
+        workdir = os.path.join(runs_dir, C.run_name(run))
+        print(f"== {C.run_name(run)} ({len(todo)} to go)", flush=True)
+        result = train(cfg, workdir, progress=args.progress)
+        measured[run] = measure(run, cfg, workdir, result)
+        trained += 1
+        jax.clear_caches()  # each run compiles its own shapes; free the last one's
+        pending = [r for r in planned(args.setting, measured) if r not in measured]
+        write_results(out_dir, args.setting, measured, pending)
+    pending = [r for r in planned(args.setting, measured) if r not in measured]
+    print(write_results(out_dir, args.setting, measured, pending))
+    print(f"wrote {out_dir} ({len(measured)} runs measured, {len(pending)} to go)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
