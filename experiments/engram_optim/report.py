@@ -66,14 +66,25 @@ def best_rows(runs: list[dict]) -> dict:
     return out
 
 
+def read_timing(out_dir: str) -> dict | None:
+    """results/timing.json (`run.py --time`) when it exists."""
+    path = os.path.join(out_dir, "timing.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def _mb(x: float) -> str:
     return f"{x / 2**20:,.1f}"
 
 
-def render_tables(summary: dict) -> str:
+def render_tables(summary: dict, timing: dict | None = None) -> str:
     """The markdown of summary.json: the lr sweep at seed 0, then each arm at its best lr
     (mean over seeds), its gap to the best dense AdamW at the same table size, state bytes
-    and step time relative to dense AdamW at 5x, and the target verdict per table size."""
+    and step time relative to dense AdamW at 5x, and the target verdict per table size.
+    Step times: timing.json's side-by-side medians when given (`run.py --time`), else the
+    runs' own medians (said in the text)."""
     runs, grid = summary["runs"], summary["grid"]
     lrs_text = ", ".join(f"{x:g}" for x in grid["lrs"])
     seeds_text = ", ".join(map(str, grid["seeds"]))
@@ -99,7 +110,14 @@ def render_tables(summary: dict) -> str:
                    and r["lr"] == lr and r["seed"] == seed0]  # fmt: skip
             cells.append(f"{hit[0]['val_loss']:.4f}" if hit else "")
         lines.append("| " + " | ".join([f"{size:.0e}", arm, *cells, f"{b['lr']:g}"]) + " |")
-    lines += ["", "At each arm's best lr (mean over the seeds run there):", ""]
+    timed = {(t["table_params"], t["arm"]): t for t in (timing or {}).get("rows", [])}
+    source = (
+        f"side by side, `run.py --time`, {timing['machine']['processor']}, commit "
+        f"{timing['commit']}"
+        if timed
+        else "the runs' own medians, over hours of training on a shared machine"
+    )
+    lines += ["", f"At each arm's best lr (mean over the seeds run there); step ms: {source}:", ""]
     cols = ["table params", "arm", "lr", "seeds", "val loss", "spread", "vs dense AdamW"]
     cols += ["rare-bigram loss", "opt state MB", "table state MB", "step ms", "step vs adam_5x"]
     lines += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
@@ -114,6 +132,10 @@ def render_tables(summary: dict) -> str:
                 continue
             gap = f"{b['val'] - ref['val']:+.4f}" if ref else ""
             step = f"{b['step_ms'] / base['step_ms']:.2f}x" if base else ""
+            if (size, arm) in timed:
+                t = timed[(size, arm)]
+                b = {**b, "step_ms": t["step_ms"]}
+                step = f"{t['vs_adam_5x']:.2f}x" if t["vs_adam_5x"] else ""
             lines.append("| " + " | ".join([
                 f"{size:.0e}", arm, f"{b['lr']:g}", ",".join(map(str, b["seeds"])),
                 f"{b['val']:.4f}", f"{b['val_spread']:.4f}", gap, f"{b['rare']:.4f}",
@@ -182,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.summary) as f:
         summary = json.load(f)
     out_dir = os.path.dirname(os.path.abspath(args.summary))
-    tables = render_tables(summary)
+    tables = render_tables(summary, read_timing(out_dir))
     with open(os.path.join(out_dir, "tables.md"), "w") as f:
         f.write(tables)
     plots(summary, out_dir)

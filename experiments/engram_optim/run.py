@@ -20,11 +20,17 @@ lr) starts for a table size once all of its stage-1 runs are measured. Per run:
 
 After every run, summary.json ({"setting", "machine", "commit", "runs": [...], "pending"}),
 tables.md and the PNGs are written again, so a study cut short still reports what it has.
+
+The runs' own step times are only as quiet as the machine was over hours of training;
+`--time` measures the arms side by side instead (timing.json: per table size, every arm's
+train step built at once, its steps taken in turn pass by pass on the same Zipf-distributed
+synthetic batches, median over the passes), and the tables quote those when they exist.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -39,6 +45,8 @@ sys.path.insert(0, HERE)
 import config as C  # noqa: E402
 import report  # noqa: E402
 
+from v41jax.bench.common import time_interleaved  # noqa: E402
+from v41jax.bench.table_bench import synthetic_batch  # noqa: E402
 from v41jax.engram import table_optim  # noqa: E402
 from v41jax.engram.primes import stored_table_rows  # noqa: E402
 from v41jax.sharding import make_mesh  # noqa: E402
@@ -47,6 +55,9 @@ from v41jax.sweep.analysis import analyze_run  # noqa: E402
 from v41jax.train import train  # noqa: E402
 from v41jax.train.metrics import read_metrics  # noqa: E402
 from v41jax.train.state import make_state_fns  # noqa: E402
+from v41jax.train.step import device_batch, make_train_step  # noqa: E402
+
+TIMING_PASSES, TIMING_LR = 10, 3e-3
 
 
 def state_bytes(cfg) -> tuple[int, int]:
@@ -137,6 +148,43 @@ def best_lrs(measured: dict, setting: str) -> dict:
     return out
 
 
+def time_arms(setting: str, passes: int = TIMING_PASSES) -> dict:
+    """Side-by-side train-step times of every arm, per table size (module doc)."""
+    rows = []
+    for size in C.SETTINGS[setting]["sizes"]:
+        arms = {}  # arm -> [step fn, state, batches, steps taken]
+        for run in C.first_stage(setting):
+            if run[0] != size or run[3] != C.SETTINGS[setting]["lrs"][0]:
+                continue
+            run = (*run[:3], TIMING_LR, run[4])
+            cfg = C.get_config(run, setting)
+            mesh = make_mesh(cfg.mesh)
+            model, optimizer, init_fn, shardings, _ = make_state_fns(cfg, mesh)
+            step = make_train_step(cfg, mesh, model, optimizer, shardings)
+            batches = [device_batch(mesh, synthetic_batch(cfg, i)) for i in range(2)]
+            arms[C.run_name(run).split("/")[1].split("_lr")[0]] = [step, init_fn(0), batches, 0]
+
+        def one_step(arm: str, arms=arms):
+            step, state, batches, taken = arms[arm]
+            state, metrics = step(state, batches[taken % 2])
+            arms[arm][1:] = [state, batches, taken + 1]
+            return metrics["loss"]
+
+        calls = {arm: functools.partial(one_step, arm) for arm in arms}
+        for call in calls.values():  # compile, then one step more so donation has settled
+            for _ in range(2):
+                jax.block_until_ready(call())
+        times = time_interleaved(calls, passes=passes)
+        base = float(np.median(times["adam_5x"])) if "adam_5x" in times else None
+        for arm, ts in times.items():
+            rows.append({"table_params": size, "arm": arm, "step_ms": 1e3 * float(np.median(ts)),
+                         "step_ms_min": 1e3 * min(ts), "passes": passes,
+                         "vs_adam_5x": float(np.median(ts)) / base if base else None})  # fmt: skip
+        del calls, arms
+        jax.clear_caches()
+    return {"setting": setting, "machine": machine(), "commit": commit(), "rows": rows}
+
+
 def write_results(out_dir: str, setting: str, measured: dict, pending: list) -> str:
     runs = [measured[r] for r in [*C.first_stage(setting), *sorted(set(measured) - set(
         C.first_stage(setting)))] if r in measured]  # fmt: skip
@@ -153,7 +201,8 @@ def write_results(out_dir: str, setting: str, measured: dict, pending: list) -> 
     with open(tmp, "w") as f:
         json.dump(summary, f, indent=2)
     os.replace(tmp, os.path.join(out_dir, "summary.json"))
-    tables = report.render_tables(summary)
+    timing = report.read_timing(out_dir)
+    tables = report.render_tables(summary, timing)
     with open(os.path.join(out_dir, "tables.md"), "w") as f:
         f.write(tables)
     report.plots(summary, out_dir)
@@ -171,9 +220,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs-dir", default=None)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--limit", type=int, default=0, help="train at most N runs, then stop")
+    p.add_argument("--time", action="store_true", help="write timing.json (side by side), only")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True)
     args = p.parse_args(argv)
     runs_dir, out_dir = experiment_dirs(HERE, args.setting, args.runs_dir, args.out_dir)
+    if args.time:
+        timing = time_arms(args.setting)
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "timing.json"), "w") as f:
+            json.dump(timing, f, indent=2)
+        for row in timing["rows"]:
+            print(f"{row['table_params']:.0e} {row['arm']:>16}: {row['step_ms']:8.1f} ms "
+                  f"({row['vs_adam_5x']:.2f}x adam_5x)")  # fmt: skip
+        return 0
     record_setting(runs_dir, __file__, args.setting)
     measured: dict = {}
     for run in planned(args.setting, measured):  # cached measurements first

@@ -76,6 +76,12 @@ def test_the_report_picks_the_best_lr_at_seed_0_and_says_whether_the_target_is_m
     assert "`sparse_adam`, is +0.0100 nats from dense AdamW (meets the 0.02 target)" in text
     assert "`rowwise_adagrad`, is +0.1000 nats from dense AdamW (misses the 0.02 target)" in text
     assert "| 1e+06 | sparse_adam | 0.001 | 0 | 3.9300 | 0.0000 | +0.0100 |" in text
+    assert "step ms: the runs' own medians" in text
+    row = {"table_params": 1e6, "arm": "sparse_adam", "step_ms": 7.0, "vs_adam_5x": 0.7}
+    timing = {"machine": {"processor": "cpu"}, "commit": "abc", "rows": [row]}
+    timed = r.render_tables(summary, timing)
+    assert "step ms: side by side, `run.py --time`, cpu, commit abc" in timed
+    assert "| 50.0 | 0.0 | 7 | 0.70x |" not in text and "| 7 | 0.70x |" in timed
 
 
 @pytest.mark.e2e
@@ -98,4 +104,13 @@ def test_the_quick_setting_end_to_end_and_resumes(tmp_path):
     assert summary["runs"][:3] == part["runs"]  # the first three were measured once, kept
     for name in ("val_loss_vs_lr", "best"):
         assert (out / f"{name}.png").stat().st_size > 1000
-    assert (out / "tables.md").read_text() == _module("report").render_tables(summary)
+    report = _module("report")
+    assert (out / "tables.md").read_text() == report.render_tables(summary)
+    subprocess.run([*cmd, "--time"], check=True, cwd=ROOT, timeout=3000)
+    timing = json.loads((out / "timing.json").read_text())
+    assert {row["arm"] for row in timing["rows"]} == set(report.ARMS)
+    assert all(row["step_ms"] > 0 and row["vs_adam_5x"] > 0 for row in timing["rows"])
+    rendered = subprocess.run([sys.executable, os.path.join(EXP, "report.py"), "--summary",
+                               str(out / "summary.json")], check=True, cwd=ROOT)  # fmt: skip
+    assert rendered.returncode == 0
+    assert (out / "tables.md").read_text() == report.render_tables(summary, timing)
