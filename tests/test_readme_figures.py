@@ -58,6 +58,11 @@ def render(experiment: str) -> str:
     if experiment == "benchmarks":
         report = _module("experiments/benchmarks/report.py", "benchmarks_report")
         return report.render_tables(os.path.join(EXP, "benchmarks"))
+    if experiment == "engram_optim":
+        report = _module("experiments/engram_optim/report.py", "engram_optim_report")
+        summary = _json("experiments", "engram_optim", "results", "summary.json")
+        timing = _json("experiments", "engram_optim", "results", "timing.json")
+        return report.render_tables(summary, timing)
     raise KeyError(experiment)
 
 
@@ -71,7 +76,7 @@ def rendered_blocks(readme: str) -> list[str]:
 
 RENDERED = (
     "dspark", "engram_vs_ffn", "benchmarks", "mhc_stability", "spec_throughput", "engram_scale",
-    "dspark_deep",
+    "dspark_deep", "engram_optim",
 )  # fmt: skip
 
 

@@ -79,6 +79,26 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:,.1f}"
 
 
+def cost_table(timing: dict) -> list[str]:
+    """The markdown lines of timing.json: each arm's train step, side by side, and state."""
+    where = timing["machine"]
+    lines = [
+        f"Cost per step, side by side (`run.py --time`: every arm's step built at once, "
+        f"{timing['rows'][0]['passes']} passes taken in turn, median; commit "
+        f"{timing['commit']}, {where['processor']} x {where['cpu_count']} cores):",
+        "",
+    ]
+    cols = ["table params", "arm", "step ms", "step vs adam_5x", "opt state MB", "table state MB"]
+    lines += ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for t in timing["rows"]:
+        vs = f"{t['vs_adam_5x']:.2f}x" if t["vs_adam_5x"] else ""
+        lines.append("| " + " | ".join([
+            f"{t['table_params']:.0e}", t["arm"], f"{t['step_ms']:.0f}", vs,
+            _mb(t["state_bytes"]), _mb(t["table_state_bytes"]),
+        ]) + " |")  # fmt: skip
+    return [*lines, ""]
+
+
 def render_tables(summary: dict, timing: dict | None = None) -> str:
     """The markdown of summary.json: the lr sweep at seed 0, then each arm at its best lr
     (mean over seeds), its gap to the best dense AdamW at the same table size, state bytes
@@ -96,6 +116,8 @@ def render_tables(summary: dict, timing: dict | None = None) -> str:
         f"commit {summary['commit']}, {where['processor']} x {where['cpu_count']} cores.",
         "",
     ]
+    if timing:
+        lines += cost_table(timing)
     if not runs:
         return "\n".join(lines) + "\n"
     lrs = grid["lrs"]

@@ -24,7 +24,8 @@ tables.md and the PNGs are written again, so a study cut short still reports wha
 The runs' own step times are only as quiet as the machine was over hours of training;
 `--time` measures the arms side by side instead (timing.json: per table size, every arm's
 train step built at once, its steps taken in turn pass by pass on the same Zipf-distributed
-synthetic batches, median over the passes), and the tables quote those when they exist.
+synthetic batches, median over the passes; with each arm's optimizer state bytes), and the
+tables quote those when they exist.
 """
 
 from __future__ import annotations
@@ -153,6 +154,7 @@ def time_arms(setting: str, passes: int = TIMING_PASSES) -> dict:
     rows = []
     for size in C.SETTINGS[setting]["sizes"]:
         arms = {}  # arm -> [step fn, state, batches, steps taken]
+        held = {}  # arm -> (optimizer state bytes, the tables' part)
         for run in C.first_stage(setting):
             if run[0] != size or run[3] != C.SETTINGS[setting]["lrs"][0]:
                 continue
@@ -162,7 +164,9 @@ def time_arms(setting: str, passes: int = TIMING_PASSES) -> dict:
             model, optimizer, init_fn, shardings, _ = make_state_fns(cfg, mesh)
             step = make_train_step(cfg, mesh, model, optimizer, shardings)
             batches = [device_batch(mesh, synthetic_batch(cfg, i)) for i in range(2)]
-            arms[C.run_name(run).split("/")[1].split("_lr")[0]] = [step, init_fn(0), batches, 0]
+            name = C.run_name(run).split("/")[1].split("_lr")[0]
+            arms[name] = [step, init_fn(0), batches, 0]
+            held[name] = state_bytes(cfg)
 
         def one_step(arm: str, arms=arms):
             step, state, batches, taken = arms[arm]
@@ -177,9 +181,19 @@ def time_arms(setting: str, passes: int = TIMING_PASSES) -> dict:
         times = time_interleaved(calls, passes=passes)
         base = float(np.median(times["adam_5x"])) if "adam_5x" in times else None
         for arm, ts in times.items():
-            rows.append({"table_params": size, "arm": arm, "step_ms": 1e3 * float(np.median(ts)),
-                         "step_ms_min": 1e3 * min(ts), "passes": passes,
-                         "vs_adam_5x": float(np.median(ts)) / base if base else None})  # fmt: skip
+            ms = 1e3 * float(np.median(ts))
+            rows.append(
+                {
+                    "table_params": size,
+                    "arm": arm,
+                    "step_ms": ms,
+                    "step_ms_min": 1e3 * min(ts),
+                    "passes": passes,
+                    "vs_adam_5x": ms / 1e3 / base if base else None,
+                    "state_bytes": held[arm][0],
+                    "table_state_bytes": held[arm][1],
+                }
+            )
         del calls, arms
         jax.clear_caches()
     return {"setting": setting, "machine": machine(), "commit": commit(), "rows": rows}

@@ -77,11 +77,14 @@ def test_the_report_picks_the_best_lr_at_seed_0_and_says_whether_the_target_is_m
     assert "`rowwise_adagrad`, is +0.1000 nats from dense AdamW (misses the 0.02 target)" in text
     assert "| 1e+06 | sparse_adam | 0.001 | 0 | 3.9300 | 0.0000 | +0.0100 |" in text
     assert "step ms: the runs' own medians" in text
-    row = {"table_params": 1e6, "arm": "sparse_adam", "step_ms": 7.0, "vs_adam_5x": 0.7}
-    timing = {"machine": {"processor": "cpu"}, "commit": "abc", "rows": [row]}
+    row = {"table_params": 1e6, "arm": "sparse_adam", "step_ms": 7.0, "vs_adam_5x": 0.7,
+           "passes": 3, "state_bytes": 2**20, "table_state_bytes": 2**19}  # fmt: skip
+    machine = {"processor": "cpu", "cpu_count": 2}
+    timing = {"machine": machine, "commit": "abc", "rows": [row]}
     timed = r.render_tables(summary, timing)
     assert "step ms: side by side, `run.py --time`, cpu, commit abc" in timed
     assert "| 50.0 | 0.0 | 7 | 0.70x |" not in text and "| 7 | 0.70x |" in timed
+    assert "| 1e+06 | sparse_adam | 7 | 0.70x | 1.0 | 0.5 |" in timed  # the cost table
 
 
 @pytest.mark.e2e
