@@ -264,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         workdir = os.path.join(runs_dir, C.run_name(run))
         print(f"== {C.run_name(run)} ({len(todo)} to go)", flush=True)
         result = train(cfg, workdir, progress=args.progress)
+        if result.get("stopped"):  # SIGTERM / Ctrl-C: checkpoint saved, nothing to measure
+            print(f"stopped at step {result['step']} of {C.run_name(run)}: run the same "
+                  "command again to resume it")  # fmt: skip
+            return 1
         measured[run] = measure(run, cfg, workdir, result)
         trained += 1
         jax.clear_caches()  # each run compiles its own shapes; free the last one's

@@ -117,3 +117,17 @@ def test_the_quick_setting_end_to_end_and_resumes(tmp_path):
                                str(out / "summary.json")], check=True, cwd=ROOT)  # fmt: skip
     assert rendered.returncode == 0
     assert (out / "tables.md").read_text() == report.render_tables(summary, timing)
+
+
+def test_a_stopped_run_is_not_measured_and_the_command_exits_1(tmp_path, monkeypatch, capsys):
+    """SIGTERM / Ctrl-C stop training with a checkpoint (train returns "stopped"): run.py
+    says how to resume and exits 1, measuring nothing."""
+    run = _module("run")
+    monkeypatch.setattr(run, "train", lambda cfg, workdir, progress: {"step": 5, "stopped": True})
+    args = ["--setting", "quick", "--runs-dir", str(tmp_path / "runs"), "--out-dir",
+            str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+    assert run.main(args) == 1
+    assert "stopped at step 5 of 1e05/adam_lr0.003_seed0: run the same command" in (
+        capsys.readouterr().out
+    )
+    assert not list((tmp_path / "runs").rglob("cell.json"))
