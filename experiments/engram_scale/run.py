@@ -129,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         workdir = os.path.join(runs_dir, C.cell_name(cell))
         print(f"== {C.cell_name(cell)}", flush=True)
         result = train(cfg, workdir, progress=args.progress)
+        if result.get("stopped"):  # SIGTERM / Ctrl-C: checkpoint saved, nothing to measure
+            print(f"stopped at step {result['step']} of {C.cell_name(cell)}: run the same "
+                  "command again to resume it")  # fmt: skip
+            return 1
         summary.append(measure(cell, cfg, workdir, result))
         jax.clear_caches()  # each cell compiles its own shapes; free the last cell's
         del result

@@ -55,3 +55,15 @@ def test_the_quick_setting_end_to_end(tmp_path):
     for name in ("step_time", "val_loss", "decode"):
         assert (out / f"{name}.png").stat().st_size > 1000
     assert (out / "tables.md").read_text().count("\n| ") == len(cells) + 1
+
+
+def test_a_stopped_cell_is_not_measured_and_the_command_exits_1(tmp_path, monkeypatch, capsys):
+    """SIGTERM / Ctrl-C stop training with a checkpoint (train returns "stopped"): run.py
+    says how to resume and exits 1 instead of measuring a run that has no val loss."""
+    run = _module("run")
+    monkeypatch.setattr(run, "train", lambda cfg, workdir, progress: {"step": 3, "stopped": True})
+    args = ["--setting", "quick", "--runs-dir", str(tmp_path / "runs"), "--out-dir",
+            str(tmp_path / "out"), "--no-progress"]  # fmt: skip
+    assert run.main(args) == 1
+    assert "stopped at step 3 of" in capsys.readouterr().out
+    assert not list((tmp_path / "runs").rglob("cell.json"))
