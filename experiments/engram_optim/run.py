@@ -34,7 +34,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import subprocess
 import sys
 
@@ -46,7 +45,7 @@ sys.path.insert(0, HERE)
 import config as C  # noqa: E402
 import report  # noqa: E402
 
-from v41jax.bench.common import time_interleaved  # noqa: E402
+from v41jax.bench.common import machine_info, time_interleaved  # noqa: E402
 from v41jax.bench.table_bench import synthetic_batch  # noqa: E402
 from v41jax.engram import table_optim  # noqa: E402
 from v41jax.engram.primes import stored_table_rows  # noqa: E402
@@ -113,20 +112,16 @@ def measure(run, cfg, workdir: str, result: dict) -> dict:
 
 
 def machine() -> dict:
-    processor = platform.processor() or platform.machine()
-    try:  # the CPU's model name, where Linux says it
+    """`bench.common.machine_info`, with the CPU's model name where Linux says it."""
+    info = machine_info()
+    try:
         with open("/proc/cpuinfo") as f:
             names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        processor = names[0] if names else processor
+        if names:
+            info["processor"] = names[0]
     except OSError:
         pass
-    return {
-        "platform": platform.platform(),
-        "processor": processor,
-        "cpu_count": os.cpu_count(),
-        "jax": jax.__version__,
-        "backend": jax.default_backend(),
-    }
+    return info
 
 
 def commit() -> str:

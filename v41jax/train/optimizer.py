@@ -103,13 +103,19 @@ def param_group_labels(params, groups: tuple[ParamGroup, ...], recipe: str = "ad
     return traverse_util.unflatten_dict({path: label(path, leaf) for path, leaf in flat.items()})
 
 
+def _role_at(path, leaf):
+    """(the param's keys, its `param_role`) from a tree_map_with_path path (flax's partition
+    boxes on the way are skipped)."""
+    keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+    return keys, param_role(keys, leaf.shape)
+
+
 def _muon_dimensions(tree):
     """MuonDimensionNumbers per leaf of a (masked, maybe boxed) params tree of the Muon
     group, from each leaf's role's matrix axes."""
 
     def dims(path, leaf):
-        keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))  # no boxes
-        role = param_role(keys, leaf.shape)
+        keys, role = _role_at(path, leaf)
         if role.role != "matrix":
             raise ValueError(f"param {'/'.join(keys)} {leaf.shape} is no matrix: not for Muon")
         return MuonDimensionNumbers(reduction_axis=role.in_axes, output_axis=role.out_axes)
@@ -126,8 +132,7 @@ def _scale_muon_to_adam_rms() -> optax.GradientTransformation:
 
     def update_fn(updates, state, params=None):
         def scale(path, u):
-            keys = tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
-            role = param_role(keys, u.shape)
+            role = _role_at(path, u)[1]
             fan_in = math.prod(u.shape[a] for a in role.in_axes)
             fan_out = math.prod(u.shape[a] for a in role.out_axes)
             return u * (MUON_CONSISTENT_RMS * math.sqrt(max(fan_in, fan_out)))

@@ -36,7 +36,12 @@ from v41jax.engram import table_optim
 from v41jax.engram.host_table import HostTable
 from v41jax.engram.primes import head_offsets, stored_table_rows
 from v41jax.engram.training.file_arrays import FileArray, snapshot_all
-from v41jax.engram.training.sparse import SparseTableStrategy, host_train_step, split_tables
+from v41jax.engram.training.sparse import (
+    SparseTableStrategy,
+    host_train_step,
+    split_tables,
+    table_update_hyper,
+)
 from v41jax.engram.tree_keys import engram_ids_key, engram_rows_key
 
 HOST_KEY = "_host_rows"  # batch entry that never goes to the device: {layer: u [N]}
@@ -135,15 +140,7 @@ class HostTables:
         """sparse_update on the gathered rows alone (`table_optim.gathered_update_program`,
         the program device sinkhorn_sparse tables run too); fill entries (keep False) take
         no part."""
-        o, engram = self.cfg.optim, self.cfg.model.engram
-        program = table_optim.gathered_update_program(
-            self.kind,
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            weight_decay=engram.table_weight_decay,
-            momentum=engram.table_momentum,
-        )
+        program = table_optim.gathered_update_program(self.kind, **table_update_hyper(self.cfg))
         return program(rows_UxC, state_rows, grads_UxC, lr, keep_U, step)
 
     def checkpoint(self, step: int) -> dict | None:

@@ -58,6 +58,18 @@ from v41jax.engram.tree_keys import engram_table_paths as table_paths
 DEFERRED_KINDS = ("sinkhorn_sparse",)
 
 
+def table_update_hyper(cfg: Config) -> dict:
+    """`table_optim.sparse_update`'s hyperparameters of a run (all but the step)."""
+    o, engram = cfg.optim, cfg.model.engram
+    return dict(
+        b1=o.b1,
+        b2=o.b2,
+        eps=o.eps,
+        weight_decay=engram.table_weight_decay,
+        momentum=engram.table_momentum,
+    )
+
+
 def split_tables(params):
     """(params without the tables, {path: table})."""
     flat = traverse_util.flatten_dict(params)
@@ -214,14 +226,8 @@ def sparse_train_step(cfg: Config, forward_loss, optimizer, schedule, module_nor
             owners,
         )
         lr = schedule(state.step) * engram.table_lr_scale
-        hyper = dict(
-            b1=o.b1,
-            b2=o.b2,
-            eps=o.eps,
-            weight_decay=engram.table_weight_decay,
-            momentum=engram.table_momentum,
-            step=state.step + 1,  # the step being taken (sinkhorn_sparse's decay)
-        )
+        # step: the step being taken (sinkhorn_sparse's decay)
+        hyper = dict(table_update_hyper(cfg), step=state.step + 1)
         new_tables, table_states = dict(tables), dict(state.opt_state["tables"])
         paths = table_paths(traverse_util.unflatten_dict(tables))
         deferred = {}
@@ -269,14 +275,8 @@ def apply_deferred(cfg: Config, state, deferred: dict):
     layer, `table_optim.gathered_update_program` on the rows the step gathered (the program
     host tables run), then their scatter into the table and its state, in place. Returns
     the state with the new tables and table states."""
-    o, engram = cfg.optim, cfg.model.engram
     program = table_optim.gathered_update_program(
-        o.table_optimizer,
-        b1=o.b1,
-        b2=o.b2,
-        eps=o.eps,
-        weight_decay=engram.table_weight_decay,
-        momentum=engram.table_momentum,
+        cfg.optim.table_optimizer, **table_update_hyper(cfg)
     )
     rest, tables = split_tables(state.params)
     table_states = dict(state.opt_state["tables"])
