@@ -28,9 +28,10 @@ import numpy as np
 from tqdm import tqdm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import config as C  # noqa: E402
-from report import write_report  # noqa: E402
+from v41jax.sweep import experiment_module  # noqa: E402
+
+C = experiment_module(HERE, "config")
+write_report = experiment_module(HERE, "report").write_report
 
 from v41jax import config as config_lib  # noqa: E402
 from v41jax.bench.common import machine_info  # noqa: E402

@@ -30,9 +30,10 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import config as C  # noqa: E402
-from report import write_report  # noqa: E402
+from v41jax.sweep import experiment_module  # noqa: E402
+
+C = experiment_module(HERE, "config")
+write_report = experiment_module(HERE, "report").write_report
 
 from v41jax.bench.common import machine_info  # noqa: E402
 from v41jax.data.corpus import split_speeches_by_year  # noqa: E402

@@ -41,9 +41,10 @@ import jax
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import config as C  # noqa: E402
-import report  # noqa: E402
+from v41jax.sweep import experiment_module  # noqa: E402
+
+C = experiment_module(HERE, "config")
+report = experiment_module(HERE, "report")
 
 from v41jax.bench.common import machine_info, time_interleaved  # noqa: E402
 from v41jax.bench.table_bench import synthetic_batch  # noqa: E402

@@ -31,9 +31,10 @@ import jax
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import config as C  # noqa: E402
-import report  # noqa: E402
+from v41jax.sweep import experiment_module  # noqa: E402
+
+C = experiment_module(HERE, "config")
+report = experiment_module(HERE, "report")
 
 from v41jax.decode import generate  # noqa: E402
 from v41jax.engram import table_optim  # noqa: E402

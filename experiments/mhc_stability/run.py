@@ -20,8 +20,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from config import ARMS, SEEDS, get_config  # noqa: E402
+from v41jax.sweep import experiment_module  # noqa: E402
+
+_config = experiment_module(HERE, "config")
+ARMS, SEEDS, get_config = _config.ARMS, _config.SEEDS, _config.get_config
 
 from v41jax.train import train  # noqa: E402
 from v41jax.train.metrics import read_metrics  # noqa: E402

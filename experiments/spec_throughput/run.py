@@ -31,8 +31,9 @@ import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import config as C  # noqa: E402
+from v41jax.sweep import experiment_module  # noqa: E402
+
+C = experiment_module(HERE, "config")
 
 from v41jax.bench.common import time_call  # noqa: E402
 from v41jax.data import load_data  # noqa: E402

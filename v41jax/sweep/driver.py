@@ -102,6 +102,30 @@ class RunSpec:
 # ----------------------------------------------------------------------------- sweep files
 
 
+def experiment_module(experiment_dir: str, name: str):
+    """Module `<experiment_dir>/<name>.py` (an experiment's config.py or report.py), loaded under
+    the name `<experiment dir's basename>_<name>`.
+
+    Experiments each have their own config.py and report.py; `sys.path.insert(dir)` followed by
+    `import config` hands the second experiment imported in one process the first one's config
+    (the name `config` is already in sys.modules). Loading by path under a distinct name keeps
+    them apart. Loaded once per process, like an import."""
+    path = os.path.join(experiment_dir, f"{name}.py")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"experiment module {path!r} does not exist")
+    module_name = f"{os.path.basename(os.path.abspath(experiment_dir))}_{name}"
+    module = sys.modules.get(module_name)
+    if module is not None and os.path.abspath(getattr(module, "__file__", "")) == os.path.abspath(
+        path
+    ):
+        return module
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses defined in the file look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_sweep(
     path: str, setting: str = "full", overrides: list[str] | None = None
 ) -> list[RunSpec]:
