@@ -10,11 +10,20 @@ tokens at slots `cache_index[b] .. cache_index[b] + T - 1` and its queries atten
 `<= cache_index[b] + t`. Slots past a row's own position may hold garbage (right-padding of a
 prefill); they are masked out and overwritten as decoding reaches them. Prefill and decode
 are the same code path (prefill: T = prompt length, cache_index = 0).
+
+Packed rows (`PackedRows`, ragged verification): the input is [1, N, D], N tokens of the
+cache's B rows on one axis, row b's n_b tokens consecutive (their slots start_B[b] ..).
+Every per-token computation (projections, RoPE, the FFN, the head) runs over the N tokens
+alone, so its cost follows N = sum n_b, not B x max n_b. The new keys and values are
+scattered to (row, slot); attention gathers each row's queries into a [B, W] block (W the
+most tokens a row may have), attends to that row's cache as a T = W call would, and gathers
+the outputs back: the same numbers as the [B, T] call on each row's own tokens. Attention
+reads the cache once per row either way, so padding its queries to W costs little.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +58,71 @@ def update_cache(
         )
 
     return jax.vmap(write_row)(cache_BxSxGxK, new_BxTxGxK, cache_index_B.astype(jnp.int32))
+
+
+class PackedRows(NamedTuple):
+    """N tokens of a KV cache's B rows packed on one token axis (see the module docstring).
+
+    row_N int32 [N]: the cache row of token n; B marks a padding token (written nowhere,
+        its outputs unread). slot_N int32 [N]: its cache slot (= its position).
+    index_BxW int32 [B, W]: the flat index of row b's w-th token, N where row b has fewer
+        than w + 1 tokens. start_B int32 [B]: the slot of row b's first token.
+    Built by `pack_rows`."""
+
+    row_N: jax.Array
+    slot_N: jax.Array
+    index_BxW: jax.Array
+    start_B: jax.Array
+
+    @property
+    def width(self) -> int:
+        return self.index_BxW.shape[1]
+
+    def layout(self, cache_len: int) -> AttentionLayout:
+        """The [B, W] queries' view of the cache: query w of row b sits at slot start + w."""
+        b, w = self.index_BxW.shape
+        q_slots_BxW = self.start_B[:, None] + jnp.arange(w, dtype=jnp.int32)
+        kv_slots_BxS = jnp.broadcast_to(jnp.arange(cache_len, dtype=jnp.int32), (b, cache_len))
+        return AttentionLayout(q_slots_BxW, kv_slots_BxS)
+
+    def to_rows(self, x_NxF: jax.Array) -> jax.Array:
+        """[N, ...] -> [B, W, ...]: row b's tokens in order, zeros past its count."""
+        pad = jnp.zeros((1, *x_NxF.shape[1:]), x_NxF.dtype)
+        return jnp.concatenate([x_NxF, pad])[self.index_BxW]
+
+    def from_rows(self, x_BxWxF: jax.Array) -> jax.Array:
+        """[B, W, ...] -> [N, ...]: the inverse of `to_rows` (padding tokens read row B - 1)."""
+        b, w = self.index_BxW.shape
+        row = jnp.minimum(self.row_N, b - 1)
+        col = jnp.clip(self.slot_N - self.start_B[row], 0, w - 1)
+        return x_BxWxF[row, col]
+
+
+def pack_rows(counts_B: jax.Array, start_B: jax.Array, n: int, width: int) -> PackedRows:
+    """`PackedRows` for row b's `counts_B[b]` tokens at slots start_B[b] .. (counts in
+    [0, width], their sum <= n; rows in order, tokens past the sum are padding).
+
+    counts_B, start_B: int32 [B]; n, width: static ints."""
+    counts_B = jnp.asarray(counts_B, jnp.int32)
+    start_B = jnp.asarray(start_B, jnp.int32)
+    b = counts_B.shape[0]
+    ends_B = jnp.cumsum(counts_B)
+    offsets_B = ends_B - counts_B
+    flat_N = jnp.arange(n, dtype=jnp.int32)
+    row_N = jnp.searchsorted(ends_B, flat_N, side="right").astype(jnp.int32)  # B past the end
+    safe_N = jnp.minimum(row_N, b - 1)
+    slot_N = jnp.where(row_N < b, start_B[safe_N] + flat_N - offsets_B[safe_N], 0)
+    w_W = jnp.arange(width, dtype=jnp.int32)
+    index_BxW = jnp.where(w_W < counts_B[:, None], offsets_B[:, None] + w_W, n)
+    return PackedRows(row_N, slot_N.astype(jnp.int32), index_BxW.astype(jnp.int32), start_B)
+
+
+def update_cache_packed(
+    cache_BxSxGxK: jax.Array, new_NxGxK: jax.Array, packed: PackedRows
+) -> jax.Array:
+    """Write token n's entry at (row_N[n], slot_N[n]); padding tokens (row B) are dropped."""
+    new = new_NxGxK.astype(cache_BxSxGxK.dtype)
+    return cache_BxSxGxK.at[packed.row_N, packed.slot_N].set(new, mode="drop")
 
 
 class Attention(nn.Module):
@@ -89,12 +163,14 @@ class Attention(nn.Module):
         layout: AttentionLayout,
         cache: KVCache | None = None,
         cache_index_B: jax.Array | None = None,
+        packed: PackedRows | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """x [B, T, D] -> (y [B, T, D], new cache or None).
 
         `positions_BxT` drive RoPE; `layout` says which keys each query sees. Without a
         cache S = T; with one, S = cache length and `cache_index_B` gives each row's first
-        write slot.
+        write slot. With `packed` (and a cache), x is [1, N, D], the packed tokens of the
+        cache's rows (module docstring); `layout` is then `packed.layout(S)`.
         """
         d, h, g, k = x_BxTxD.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim
         std, pd = self.init_std, self.param_dtype
@@ -126,6 +202,28 @@ class Attention(nn.Module):
         kv_axes = ("batch", "length", "act_kv_heads", None)
         k_BxTxGxK = nn.with_logical_constraint(k_BxTxGxK, kv_axes)
         v_BxTxGxK = nn.with_logical_constraint(v_BxTxGxK, kv_axes)
+
+        if packed is not None:
+            if cache is None:
+                raise ValueError("Attention: packed rows need a KV cache")
+            new_cache = {
+                name: nn.with_logical_constraint(
+                    update_cache_packed(cache[name], new[0], packed),
+                    ("batch", "cache_length", "act_kv_heads", None),
+                )
+                for name, new in (("k", k_BxTxGxK), ("v", v_BxTxGxK))
+            }
+            out_BxWxHxK = attend(
+                packed.to_rows(q_BxTxHxK[0]),
+                new_cache["k"],
+                new_cache["v"],
+                layout,
+                impl=self.impl,
+                block_size=self.block_size,
+            )
+            out_BxTxHxK = packed.from_rows(out_BxWxHxK)[None]
+            y_BxTxD = jnp.einsum("bthk,hkd->btd", out_BxTxHxK, w_o.astype(self.dtype))
+            return y_BxTxD, new_cache
 
         new_cache = None
         if cache is not None:

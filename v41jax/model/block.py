@@ -43,7 +43,7 @@ from v41jax.engram.params import table_param_group
 from v41jax.engram.tree_keys import engram_ids_key, engram_rows_key
 from v41jax.mhc import MHCResidual, composite_gain
 from v41jax.mhc.layer import NormScale
-from v41jax.model.attention import Attention, AttentionLayout, KVCache
+from v41jax.model.attention import Attention, AttentionLayout, KVCache, PackedRows
 from v41jax.model.layers import RMSNorm, SwiGLU
 from v41jax.model.metric import Metric
 from v41jax.model.moe import MoE, expert_width, is_moe_layer, moe_summary
@@ -89,7 +89,8 @@ class BlockInputs(NamedTuple):
     """Per-call inputs shared by every block (built once by `Transformer`).
 
     `extras` carries per-token side inputs of later modules (e.g. Engram hash ids [B, T, N]),
-    keyed by name; the plain block ignores it.
+    keyed by name; the plain block ignores it. `packed`: the tokens are [1, N], packed rows
+    of the KV cache (`v41jax.model.attention.PackedRows`); None for [B, T] tokens.
     """
 
     positions_BxT: jax.Array
@@ -97,6 +98,7 @@ class BlockInputs(NamedTuple):
     segment_ids_BxT: jax.Array | None = None
     cache_index_B: jax.Array | None = None
     extras: Mapping[str, jax.Array] = {}
+    packed: PackedRows | None = None
 
 
 def layer_dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
@@ -199,7 +201,7 @@ class Block(nn.Module):
 
         def attention(h):  # h: the normalised input
             y, new_cache = self.attn(
-                h, inputs.positions_BxT, inputs.layout, cache, inputs.cache_index_B
+                h, inputs.positions_BxT, inputs.layout, cache, inputs.cache_index_B, inputs.packed
             )
             return tag(y, ATTN_OUT), new_cache
 
@@ -277,6 +279,14 @@ def write_rows(stack: jax.Array, layer_cache: jax.Array, j: jax.Array, start_B, 
     return stack.at[j, rows_B1, slots_BxT].set(new_BxTxGxK, mode="drop")
 
 
+def write_packed_rows(stack: jax.Array, layer_cache: jax.Array, j: jax.Array, packed: PackedRows):
+    """`write_rows` for packed tokens: copy the entries at (row_N, slot_N) of one layer's
+    updated cache [B, S, G, K] into layer j of the stack [L, B, S, G, K] (padding dropped)."""
+    b = layer_cache.shape[0]
+    new_NxGxK = layer_cache[jnp.minimum(packed.row_N, b - 1), packed.slot_N]
+    return stack.at[j, packed.row_N, packed.slot_N].set(new_NxGxK, mode="drop")
+
+
 class ScanBlock(Block):
     """`Block` as an `nn.scan` body over a run of identical layers (module docstring).
 
@@ -296,7 +306,9 @@ class ScanBlock(Block):
                 lambda c: jax.lax.dynamic_index_in_dim(c, j, 0, False), stack
             )
         x, new_cache, stats = Block.__call__(self, x, inputs, layer_cache)
-        if stack is not None:
+        if stack is not None and inputs.packed is not None:
+            stack = {n: write_packed_rows(stack[n], new_cache[n], j, inputs.packed) for n in stack}
+        elif stack is not None:
             t = inputs.positions_BxT.shape[1]
             stack = {
                 n: write_rows(stack[n], new_cache[n], j, inputs.cache_index_B, t) for n in stack

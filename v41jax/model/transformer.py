@@ -46,7 +46,7 @@ from v41jax.config import ModelConfig
 from v41jax.engram import flat_row_ids
 from v41jax.engram.host_rows import HostRows, read_host_rows
 from v41jax.engram.tree_keys import engram_ids_key, engram_rows_key
-from v41jax.model.attention import AttentionLayout, KVCache
+from v41jax.model.attention import AttentionLayout, KVCache, PackedRows
 from v41jax.model.block import (  # noqa: F401 (re-exported: the model's public names)
     FFN_KINDS,
     Block,
@@ -104,6 +104,25 @@ def check_cache(cfg: ModelConfig, cache: Any) -> None:
             )
 
 
+def check_packed(cfg: ModelConfig, tokens: jax.Array, cache: Any, packed: PackedRows) -> None:
+    """ValueError unless packed rows can run: a cache, tokens [1, N] matching `packed`, and
+    no feature that mixes tokens along the time axis or across the batch (Engram's short
+    conv, capacity-limited MoE)."""
+    if cache is None:
+        raise ValueError("packed rows need a KV cache (they index its rows)")
+    check_cache(cfg, cache)
+    n = packed.row_N.shape[0]
+    if tokens.shape != (1, n):
+        raise ValueError(f"packed tokens must be [1, N={n}], got shape {tuple(tokens.shape)}")
+    if cfg.engram.enabled and cfg.engram.use_short_conv:
+        raise ValueError("packed rows: Engram's short conv mixes neighbouring tokens (off)")
+    if cfg.moe.num_experts > 0 and cfg.moe.capacity_factor > 0:
+        raise ValueError(
+            f"packed rows need dropless MoE: moe.capacity_factor={cfg.moe.capacity_factor} "
+            "must be 0 (an expert's capacity would depend on the other rows' tokens)"
+        )
+
+
 def _run_segment(cfg, stream: ResidualStream, seg: Segment, x, inputs, cache, taps):
     """Segment `seg` on the stream's state x; returns (x, new cache or None, {layer: hidden},
     [LayerStats of each of its layers, in order])."""
@@ -144,6 +163,7 @@ class Transformer(nn.Module):
         cache_index: jax.Array | None = None,
         extras: Mapping[str, jax.Array] | None = None,
         targets_BxT: jax.Array | None = None,
+        packed: PackedRows | None = None,
     ) -> ModelOutput:
         """Forward pass over int tokens [B, T].
 
@@ -160,6 +180,9 @@ class Transformer(nn.Module):
         targets_BxT: with cfg.logits_chunk > 0, the head runs over chunks of that many
             positions and returns only `lse` and `target_logit`
             (`v41jax.model.head.chunked_head_stats`).
+        packed: with a cache, tokens [1, N] are the packed tokens of the cache's rows
+            (`v41jax.model.attention.pack_rows`): token n is row_N[n]'s, at slot slot_N[n]
+            (its default position); outputs are [1, N, ...] likewise. cache_index is unused.
         """
         c = self.cfg
         dtype, param_dtype = layer_dtypes(c)
@@ -169,7 +192,12 @@ class Transformer(nn.Module):
             raise ValueError(f"hidden_layers {bad} out of range [-1, {c.num_layers - 1}]")
 
         arange_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        if cache is None:
+        if packed is not None:
+            check_packed(c, tokens_BxT, cache, packed)
+            if positions_BxT is None:
+                positions_BxT = packed.slot_N[None]
+            layout = packed.layout(next(iter(cache.values()))["k"].shape[-3])
+        elif cache is None:
             if positions_BxT is None:
                 positions_BxT = arange_BxT
             use_segments = c.segment_mask and segment_ids_BxT is not None
@@ -198,6 +226,7 @@ class Transformer(nn.Module):
             segment_ids_BxT=segment_ids_BxT,
             cache_index_B=cache_index,
             extras=extras,
+            packed=packed,
         )
         embed = Embed(
             c.vocab_size,
