@@ -290,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --drafter: verify lengths fixed or chosen from confidence",
     )
     p.add_argument("--verify-len", type=int, help="with --schedule fixed (default: block size)")
+    p.add_argument(
+        "--verify",
+        choices=("padded", "ragged"),
+        default="padded",
+        help="with --drafter: one verify width for the batch (padded) or each row its own "
+        "length in one packed target call (ragged)",
+    )
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(

@@ -79,6 +79,23 @@ def test_per_row_and_traced_knobs():
     assert np.all((np.asarray(probs[8:]) > 0).sum(-1) == 50)
 
 
+def test_per_row_knobs_go_along_the_leading_axis_of_3d_logits():
+    """Per-row settings [B] against logits [B, T, V] (a speculative verify's K + 1 positions),
+    with B == T so that trailing-axis broadcasting would silently mix rows up: every position
+    of row b uses row b's settings, as row b alone does."""
+    b = 4
+    logits = jax.random.normal(jax.random.key(5), (b, b, 50))
+    knobs = SamplingParams(
+        jnp.array([0.0, 0.5, 1.0, 2.0]), jnp.array([0, 3, 0, 7]), jnp.array([1.0, 1.0, 0.6, 0.9]),
+        jnp.array([0.0, 0.1, 0.0, 0.0]),
+    )  # fmt: skip
+    got = sampling_probs(logits, knobs)
+    for r in range(b):
+        t, k, p, m = (knobs.temperature[r], knobs.top_k[r], knobs.top_p[r], knobs.min_p[r])
+        row = SamplingParams(float(t), int(k), float(p), float(m))
+        np.testing.assert_allclose(got[r], sampling_probs(logits[r], row), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -37,9 +37,12 @@ def schedule_reference(
     active=None,
     useful=None,
     admission: str = "global",
+    buckets=None,
+    plain_seconds=None,
 ) -> Schedule:
     """Brute force in float64 numpy over every budget n = B .. B K (basis "width": every
-    width w, `width_reference`); returns a Schedule of numpy values."""
+    width w, `width_reference`); returns a Schedule of numpy values. buckets, plain_seconds:
+    basis "total"'s packed sizes (the cost read at the bucket >= tokens) and plain round."""
     b, k = check_schedule_args(confidence, cost, basis, min_gain, admission)
     act = np.asarray(check_active(active, b), bool)
     use = np.asarray(check_useful(useful, b, k))
@@ -58,7 +61,10 @@ def schedule_reference(
         for neg_s, _, r in free[: n - b]:
             lengths[r] += 1
             tau -= neg_s
-        tokens = b + n if basis == "total" else b * (1 + lengths.max())
+        # total: the ragged engine's tokens, active rows' pending tokens and drafts only
+        tokens = act.sum() + lengths[act].sum() if basis == "total" else b * (1 + lengths.max())
+        if buckets is not None:
+            tokens = min(x for x in buckets if x >= tokens)
         secs = cost(tokens)
         if secs <= 0:
             raise ValueError(f"cost table gives cost {secs} <= 0 at {tokens} tokens")
@@ -68,8 +74,16 @@ def schedule_reference(
     full = results[-1]
     if not best[0] > (1.0 + min_gain) * full[0]:
         best = full
+    lengths, n = best[2], best[1]
+    if basis == "total":  # a finished row verifies nothing
+        lengths, n = np.where(act, lengths, 0), lengths[act].sum()
+    if plain_seconds is not None and act.sum() / plain_seconds >= best[0]:
+        return Schedule(
+            np.zeros(b, np.int32), np.int32(0), np.float32(act.sum()),
+            np.float32(act.sum() / plain_seconds), np.float32(full[0]),
+        )  # fmt: skip
     return Schedule(
-        best[2].astype(np.int32), np.int32(best[1]), np.float32(best[3]), np.float32(best[0]),
+        lengths.astype(np.int32), np.int32(n), np.float32(best[3]), np.float32(best[0]),
         np.float32(full[0]),
     )  # fmt: skip
 
@@ -371,8 +385,11 @@ def test_scheduler_rejects_bad_input(conf, kwargs, match):
 
 def test_scheduler_rejects_a_cost_that_extrapolates_to_zero():
     steep = CostTable((100, 101), (1.0, 2.0))  # 0 s at 99 tokens and below
-    with pytest.raises(ValueError, match="<= 0 at 4 tokens"):
+    # "total" counts active rows only: one row left verifying one draft is 2 tokens
+    with pytest.raises(ValueError, match="<= 0 at 2 tokens"):
         schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), steep)
+    with pytest.raises(ValueError, match="<= 0 at 4 tokens"):
+        schedule_verify_lengths(np.full((2, 2), 0.5, np.float32), steep, basis="padded")
 
 
 # ---- admission="early_stop" and width 0 (basis "width"; v41jax/dspark/decode/admission.py) -------
@@ -468,3 +485,45 @@ def test_admission_is_validated():
             schedule_verify_lengths(conf, STAIRS, basis=basis, admission="early_stop")
         with pytest.raises(ValueError, match="early_stop"):
             schedule_reference(conf, STAIRS, basis, admission="early_stop")
+
+
+@pytest.mark.parametrize("plain", [None, "cheap", "dear"])
+@pytest.mark.parametrize("b, k", [(3, 4), (6, 5), (5, 1)])
+def test_total_basis_reads_the_ragged_engines_buckets_and_plain_round(b, k, plain):
+    """Basis "total" with the ragged engine's packed sizes (cost read at the bucket >= the
+    tokens) and its plain round: the jitted scheduler equals the brute force on random
+    confidences, finished rows and `useful` caps; a cheap plain round wins, a dear one never."""
+    from v41jax.decode.engine import packed_buckets
+
+    buckets = packed_buckets(b, k)
+    cost = CostTable((2, 8, 20, 40), (1.0, 1.1, 2.4, 3.0))
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        conf = _confidences(seed + 50, b, k)
+        active = rng.random(b) < 0.8
+        useful = rng.integers(0, k + 1, b).astype(np.int32)
+        plain_seconds = {None: None, "cheap": 0.05, "dear": 1e3}[plain]
+        kw = dict(active=active, useful=useful, buckets=buckets, plain_seconds=plain_seconds)
+        ref = schedule_reference(conf, cost, "total", **kw)
+        got = schedule_verify_lengths(
+            conf, cost, basis="total", active_B=active, useful_B=useful, buckets=buckets,
+            plain_seconds=plain_seconds,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got.verify_len), ref.verify_len)
+        assert int(got.budget) == int(ref.budget)
+        np.testing.assert_allclose(float(got.throughput), float(ref.throughput), rtol=1e-5)
+        if active.any():
+            assert (np.asarray(got.verify_len) == 0).all() == (plain == "cheap")
+        assert (np.asarray(got.verify_len)[~active] == 0).all()
+
+
+def test_total_basis_refuses_bad_buckets_and_plain_round():
+    conf = np.full((2, 3), 0.5, np.float32)
+    with pytest.raises(ValueError, match="below B"):
+        schedule_verify_lengths(conf, STAIRS, basis="total", buckets=(2, 4, 7))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        schedule_verify_lengths(conf, STAIRS, basis="total", buckets=(4, 2, 8))
+    with pytest.raises(ValueError, match="plain_seconds=0"):
+        schedule_verify_lengths(conf, STAIRS, basis="total", plain_seconds=0)
+    with pytest.raises(ValueError, match="for basis 'total'"):
+        schedule_verify_lengths(conf, STAIRS, basis="width", buckets=(8,))

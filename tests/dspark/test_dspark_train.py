@@ -165,11 +165,27 @@ def test_cli_train_drafter_then_generate(target, tmp_path):
         "scheduled",
     )
     assert gen.returncode == 0, gen.stderr
-    assert "tokens per round (scheduled)" in gen.stderr
+    assert "tokens per round (scheduled, padded)" in gen.stderr
     # widths from 1, or from 0 where the engine also measures a plain decode step (width 0)
     assert re.search(r"measuring the decode-round cost at verify widths [01]\.\.3", gen.stderr)
     assert re.search(r"timing (verify )?widths", gen.stderr)  # its progress bar
     assert os.path.exists(os.path.join(workdir, "loop_round_cost_b1.json"))
+    ragged = run(
+        "generate", "--workdir", target, "--drafter", workdir, "--prompt", "The",
+        "--max-new-tokens", "8", "--verify", "ragged",
+    )  # fmt: skip
+    assert ragged.returncode == 0, ragged.stderr
+    assert "measuring the decode-round cost at packed sizes" in ragged.stderr
+    assert "tokens per round (scheduled, ragged)" in ragged.stderr
+    assert os.path.exists(os.path.join(workdir, "ragged_round_cost_b1.json"))
+    # the ragged engine decodes the greedy prompt as the padded one does
+    greedy = ["--temperature", "0"]
+    outs = [
+        run("generate", "--workdir", target, "--drafter", workdir, "--prompt", "The",
+            "--max-new-tokens", "8", "--verify", v, *greedy).stdout
+        for v in ("padded", "ragged")
+    ]  # fmt: skip
+    assert outs[0] == outs[1] and outs[0]
     bad = run(
         "train-drafter",
         "--target-workdir",

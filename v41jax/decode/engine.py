@@ -20,6 +20,16 @@ the next round overwrites them. Both models sample with the same settings (`prob
 which is what makes the output exact: distributed as `generate`'s, token for token equal at
 temperature 0.
 
+Two verify engines (`Static.verify`):
+  "padded": one width w for the batch; every active row verifies w drafts in a [B, 1 + w]
+    call, so a round costs B (1 + w) tokens whatever each row needed.
+  "ragged": each row its own length L_b in [0, K] (the policy returns them, [B]); the
+    target runs once over the packed tokens of the active rows, sum_b (1 + L_b) of them,
+    padded up to the smallest of a few static sizes (`Static.buckets`, one compiled program
+    each; `packed_buckets`), each token attending to its own row's cache at its own slot
+    (`v41jax.model.attention.PackedRows`). Its cost follows the packed count. A round where
+    every active row verifies 0 drafts is a plain round (program 0, below). Host loop only.
+
 Two loops run rounds: `device_loop` (one `lax.while_loop` at a fixed width) and `host_loop`
 (a Python loop over segments: one compiled program per width that keeps running rounds while
 the policy keeps choosing that width; width 0 runs a segment of plain decode steps without
@@ -30,7 +40,7 @@ so that drafting only to decide "no drafts" costs little).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, get_args
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +50,7 @@ from v41jax.config import ModelConfig
 from v41jax.decode.generate import init_cache, window_ending_at
 from v41jax.decode.sampling import SamplingParams, probs_fn, sample_probs
 from v41jax.engram import ngram_hash_ids_step
+from v41jax.model.attention import PackedRows, pack_rows
 from v41jax.model.transformer import Transformer, engram_ids_key
 from v41jax.speculative import speculative_sample
 
@@ -82,18 +93,46 @@ class Proposer(Protocol):
         """The drafter's state after the target extended t slots from start (t = w + 1)."""
 
 
+Verify = Literal["padded", "ragged"]
+VERIFY_ENGINES: tuple[Verify, ...] = get_args(Verify)
+
+
+def packed_buckets(batch_size: int, block_size: int, ratio: float = 1.25) -> tuple[int, ...]:
+    """The static packed sizes of the ragged engine for B rows and K drafts: 1 .. 8, then
+    sizes growing by `ratio` (rounded up, to a multiple of 8 past 64), and B (1 + K), the
+    largest round. A round of t tokens runs at the smallest size >= t, so it pads by less
+    than `ratio` - 1 of its tokens; a larger ratio compiles fewer programs."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not ratio > 1:
+        raise ValueError(f"bucket ratio={ratio!r} must be a number > 1")
+    top = batch_size * (1 + block_size)
+    sizes, x = set(range(1, min(8, top) + 1)), 8
+    while x < top:
+        x = max(int(np.ceil(x * ratio)), x + 1)
+        x = -(-x // 8) * 8 if x > 64 else x
+        sizes.add(min(top, x))
+    return tuple(sorted(sizes))
+
+
 @dataclass(frozen=True)
 class Static:
     """What fixes the compiled shapes and branches (hashable: a jit static argument).
 
     policy: an int (a fixed width in [1, K]) or a hashable callable
     `(confidence [B, K], active [B] bool, useful [B] int32) -> width int32 []` in [0, K] that
-    reads draft-side information only (`useful`: drafts a row can still use)."""
+    reads draft-side information only (`useful`: drafts a row can still use). With
+    verify "ragged" a callable returns the per-row lengths int32 [B] in [0, K] instead (an
+    int L verifies L drafts in every active row). buckets: the packed sizes of the ragged
+    engine (default `packed_buckets(B, K)`, filled in by the loop). stop_on_finish: a host
+    segment also ends when a row finishes (continuous batching refills it,
+    `v41jax.decode.batching`)."""
 
     target_cfg: ModelConfig
     proposer: Any
     max_new_tokens: int
     policy: Any
+    verify: Verify = "padded"
+    buckets: tuple[int, ...] = ()
+    stop_on_finish: bool = False
 
 
 class Ctx(NamedTuple):
@@ -109,7 +148,9 @@ class Ctx(NamedTuple):
 
 class State(NamedTuple):
     """The loop carry. logs: confidence [R, B, K], verify_len / accepted [R, B] int32,
-    active [R, B] bool, R = max_new_tokens (every round emits >= 1 token per active row)."""
+    active [R, B] bool, R = max_new_tokens (every round emits >= 1 token per active row;
+    rounds past R are not logged). tally int32 [3, B]: per row, the rounds it took part in,
+    the drafts it verified and the drafts accepted (since its prefill)."""
 
     r: jax.Array
     rng: jax.Array
@@ -118,17 +159,19 @@ class State(NamedTuple):
     history: jax.Array
     pos: jax.Array
     logs: tuple
+    tally: jax.Array
 
 
 class Draft(NamedTuple):
     """A round's draft side: the proposal, the verify key, verify_len int32 [B] and the
-    round's width int32 [] (what the policy chose)."""
+    round's program int32 []: which compiled verify runs it (padded: the width the policy
+    chose; ragged: the packed size, 0 for a plain round)."""
 
     rng: jax.Array
     verify_key: jax.Array
     proposal: Proposal
     verify_len: jax.Array
-    width: jax.Array
+    program: jax.Array
 
 
 class EngineOutput(NamedTuple):
@@ -190,6 +233,41 @@ def extend_output(
     )
 
 
+def extend_packed(
+    params,
+    cfg: ModelConfig,
+    kv,
+    history_BxS,
+    packed: PackedRows,
+    compression=None,
+    hidden_layers: tuple[int, ...] = (),
+):
+    """`extend_output` for packed rows: feed history[row_N, slot_N] (N tokens of the cache's
+    rows, `pack_rows`) through the cache. Returns the `ModelOutput` over [1, N]: logits
+    [1, N, V], hidden [1, N, D], the updated caches."""
+    b = history_BxS.shape[0]
+    row_N = jnp.minimum(packed.row_N, b - 1)
+    tokens_1xN = history_BxS[row_N, packed.slot_N][None]
+    extras = {}
+    if cfg.engram.enabled:
+        m = cfg.engram.max_ngram_size
+        pos_NxM = packed.slot_N[:, None] - (m - 1) + jnp.arange(m, dtype=jnp.int32)
+        got = compression[history_BxS[row_N[:, None], jnp.maximum(pos_NxM, 0)]]
+        window_NxM = jnp.where(pos_NxM >= 0, got, cfg.engram.pad_id).astype(jnp.int32)
+        extras = {
+            engram_ids_key(layer): ngram_hash_ids_step(window_NxM, layer, cfg.engram)[None]
+            for layer in cfg.engram.layer_ids
+        }
+    return Transformer(cfg).apply(
+        {"params": params},
+        tokens_1xN,
+        cache=kv,
+        extras=extras,
+        hidden_layers=hidden_layers,
+        packed=packed,
+    )
+
+
 def write_history(history_BxS, start_B, values_BxT, mask_BxT):
     """history[b, start+t] = values[b, t] where mask (positions past S are dropped)."""
     b, t = values_BxT.shape
@@ -238,11 +316,17 @@ def prefill(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> State:
         jnp.zeros((n, b), jnp.int32),
         jnp.zeros((n, b), bool),
     )
-    return State(jnp.int32(0), rng, out.cache, dstate, history, lengths_B, logs)
+    tally = jnp.zeros((3, b), jnp.int32)
+    return State(jnp.int32(0), rng, out.cache, dstate, history, lengths_B, logs, tally)
+
+
+def active_rows(c: Ctx, state: State) -> jax.Array:
+    """bool [B]: rows still generating (the pending token's slot is before the row's end)."""
+    return state.pos + 1 < c.end_B
 
 
 def any_active(c: Ctx, state: State) -> jax.Array:
-    return jnp.any(state.pos + 1 < c.end_B)
+    return jnp.any(active_rows(c, state))
 
 
 def draft_step(c: Ctx, state: State, st: Static) -> tuple[State, Draft]:
@@ -260,15 +344,33 @@ def draft_step(c: Ctx, state: State, st: Static) -> tuple[State, Draft]:
         probs_fn(c.sampling),
         c.compression,
     )
+    # drafts past a row's last needed token add nothing: pos + 1 + j <= end - 1
+    useful = jnp.clip(c.end_B - 2 - state.pos, 0, k).astype(jnp.int32)
+    if st.verify == "ragged":
+        if isinstance(st.policy, int):
+            lens = jnp.full(active.shape, st.policy, jnp.int32)
+        else:
+            lens = jnp.asarray(st.policy(proposal.confidence, active, useful), jnp.int32)
+        lens = jnp.where(active, jnp.clip(lens, 0, k), 0).astype(jnp.int32)
+        program = ragged_program(jnp.where(active, 1 + lens, 0), lens, active, st.buckets)
+        return state._replace(drafter_state=dstate), Draft(rng, k_verify, proposal, lens, program)
     if isinstance(st.policy, int):
         width = jnp.int32(st.policy)
     else:
-        # drafts past a row's last needed token add nothing: pos + 1 + j <= end - 1
-        useful = jnp.clip(c.end_B - 2 - state.pos, 0, k).astype(jnp.int32)
         width = jnp.asarray(st.policy(proposal.confidence, active, useful), jnp.int32)
     # A padded verify costs the same for every row, so every active row verifies `width`.
     lens = jnp.where(active, width, 0).astype(jnp.int32)
     return state._replace(drafter_state=dstate), Draft(rng, k_verify, proposal, lens, width)
+
+
+def ragged_program(counts_B, lens_B, active_B, buckets: tuple[int, ...]) -> jax.Array:
+    """The ragged round's program, int32 []: the smallest bucket >= sum(counts), or 0 (a
+    plain round) when no active row verifies a draft."""
+    table = jnp.asarray(buckets, jnp.int32)
+    total = jnp.sum(counts_B)
+    size = table[jnp.minimum(jnp.searchsorted(table, total, side="left"), len(buckets) - 1)]
+    drafting = jnp.any(active_B & (lens_B > 0))
+    return jnp.where(drafting, size, 0).astype(jnp.int32)
 
 
 def _advance(c: Ctx, state: State, st: Static, o, emitted, acc, confidence, lens, rng) -> State:
@@ -287,15 +389,20 @@ def _advance(c: Ctx, state: State, st: Static, o, emitted, acc, confidence, lens
         a_log.at[r].set(acc),
         act_log.at[r].set(active),
     )
-    return State(r + 1, rng, o.cache, dstate, history, pos, logs)
+    tally = state.tally + jnp.where(active, jnp.stack([jnp.ones_like(lens), lens, acc]), 0)
+    return State(r + 1, rng, o.cache, dstate, history, pos, logs, tally)
 
 
-def verify_step(c: Ctx, state: State, d: Draft, st: Static, width: int) -> State:
-    """Step 2 of the round at a static width (0 <= width <= K; d.width == width)."""
+def verify_step(c: Ctx, state: State, d: Draft, st: Static, program: int) -> State:
+    """Step 2 of the round with a static program (d.program == program): padded, the width
+    (0 <= width <= K); ragged, the packed size (0: a plain round)."""
     cfg, prop = st.target_cfg, st.proposer
     k = prop.block_size
-    if width == 0:
+    if program == 0:
         return _plain_round(c, state, st, d.verify_key, d.rng, d.proposal.confidence)
+    if st.verify == "ragged":
+        return _ragged_verify(c, state, d, st, program)
+    width = program
     active = state.pos + 1 < c.end_B
     p = d.proposal
     hist_d = write_history(state.history, state.pos + 1, p.drafts, active[:, None])
@@ -313,6 +420,33 @@ def verify_step(c: Ctx, state: State, d: Draft, st: Static, width: int) -> State
     logits = jnp.concatenate([o.logits] + [o.logits[:, -1:]] * pad, axis=1).astype(jnp.float32)
     emitted, acc = speculative_sample(
         d.verify_key, p.drafts, p.q, probs_fn(c.sampling)(logits), d.verify_len
+    )
+    return _advance(c, state, st, o, emitted, acc, p.confidence, d.verify_len, d.rng)
+
+
+def _ragged_verify(c: Ctx, state: State, d: Draft, st: Static, n: int) -> State:
+    """Verify each active row's [pending, d_1 .. d_{L_b}] packed into n tokens; the outputs
+    are unpacked to [B, K + 1] (columns past a row's L_b are zeros, never read)."""
+    cfg, prop = st.target_cfg, st.proposer
+    k = prop.block_size
+    active = state.pos + 1 < c.end_B
+    p = d.proposal
+    hist_d = write_history(state.history, state.pos + 1, p.drafts, active[:, None])
+    counts = jnp.where(active, d.verify_len + 1, 0)
+    packed = pack_rows(counts, state.pos, n, k + 1)
+    o = extend_packed(
+        c.target_params, cfg, state.target_kv, hist_d, packed, c.compression, prop.hidden_layers
+    )
+    o = o._replace(
+        logits=packed.to_rows(o.logits[0]),
+        hidden={layer: packed.to_rows(h[0]) for layer, h in o.hidden.items()},
+    )
+    emitted, acc = speculative_sample(
+        d.verify_key,
+        p.drafts,
+        p.q,
+        probs_fn(c.sampling)(o.logits.astype(jnp.float32)),
+        d.verify_len,
     )
     return _advance(c, state, st, o, emitted, acc, p.confidence, d.verify_len, d.rng)
 

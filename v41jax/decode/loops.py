@@ -15,6 +15,7 @@ Both loops give the same tokens for the same rng at a fixed width.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Literal, get_args
 
@@ -23,13 +24,16 @@ import jax.numpy as jnp
 
 from v41jax.decode.engine import (
     MAX_PLAIN_ROUNDS,
+    VERIFY_ENGINES,
     Ctx,
     Draft,
     EngineOutput,
     State,
     Static,
+    active_rows,
     any_active,
     draft_step,
+    packed_buckets,
     plain_step,
     prefill,
     verify_step,
@@ -63,12 +67,20 @@ def device_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput
     return finish(lengths_B, state, st)
 
 
+def none_finished(c: Ctx, state: State, st: Static, started_B) -> jax.Array:
+    """With `st.stop_on_finish`: no row active at the segment's start has finished (else
+    True: segments run on)."""
+    if not st.stop_on_finish:
+        return jnp.bool_(True)
+    return jnp.all(active_rows(c, state) | ~started_B)
+
+
 def host_flags(c: Ctx, state: State, d: Draft) -> jax.Array:
     """[next width, any row active]: the two ints the host reads after each program."""
-    return jnp.stack([d.width, any_active(c, state).astype(jnp.int32)])
+    return jnp.stack([d.program, any_active(c, state).astype(jnp.int32)])
 
 
-def _with_flags(c: Ctx, state: State, st: Static):
+def draft_with_flags(c: Ctx, state: State, st: Static):
     """The round's draft side and its `host_flags`."""
     state, d = draft_step(c, state, st)
     return state, d, host_flags(c, state, d)
@@ -76,22 +88,25 @@ def _with_flags(c: Ctx, state: State, st: Static):
 
 @functools.partial(jax.jit, static_argnames=("st",))
 def host_start(c: Ctx, prompts_BxP, lengths_B, rng, st: Static):
-    return _with_flags(c, prefill(c, prompts_BxP, lengths_B, rng, st), st)
+    return draft_with_flags(c, prefill(c, prompts_BxP, lengths_B, rng, st), st)
 
 
 # One program per width that keeps going while the policy keeps choosing that width: a run
 # of rounds at one width costs one launch and one sync, not one per round.
-@functools.partial(jax.jit, static_argnames=("st", "width"), donate_argnames=("state",))
-def host_segment(c: Ctx, state: State, d: Draft, st: Static, width: int):
-    def same_width(carry):
+# (program: the padded width, or the ragged engine's packed size)
+@functools.partial(jax.jit, static_argnames=("st", "program"), donate_argnames=("state",))
+def host_segment(c: Ctx, state: State, d: Draft, st: Static, program: int):
+    started = active_rows(c, state)
+
+    def same_program(carry):
         state, d = carry
-        return any_active(c, state) & (d.width == width)
+        return any_active(c, state) & (d.program == program) & none_finished(c, state, st, started)
 
     def one_round(carry):
         state, d = carry
-        return draft_step(c, verify_step(c, state, d, st, width), st)
+        return draft_step(c, verify_step(c, state, d, st, program), st)
 
-    state, d = jax.lax.while_loop(same_width, one_round, (state, d))
+    state, d = jax.lax.while_loop(same_program, one_round, (state, d))
     return state, d, host_flags(c, state, d)
 
 
@@ -100,16 +115,17 @@ def plain_segment(c: Ctx, state: State, d: Draft, st: Static, n_rounds):
     """This round without its drafts (width 0), then up to n_rounds - 1 plain decode rounds
     with no drafter pass, then the next round's draft. n_rounds: int32 [] >= 1 (traced: one
     program for every run length)."""
+    started = active_rows(c, state)
     state = verify_step(c, state, d, st, 0)
 
     def more(carry):
         state, i = carry
-        return any_active(c, state) & (i < n_rounds)
+        return any_active(c, state) & (i < n_rounds) & none_finished(c, state, st, started)
 
     state, _ = jax.lax.while_loop(
         more, lambda s: (plain_step(c, s[0], st), s[1] + 1), (state, jnp.int32(1))
     )
-    return _with_flags(c, state, st)
+    return draft_with_flags(c, state, st)
 
 
 def host_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput:
@@ -118,22 +134,31 @@ def host_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput:
     state, d, flags = host_start(c, prompts_BxP, lengths_B, rng, st)
     zeros_in_a_row = 0
     while True:
-        width, more = (int(x) for x in jax.device_get(flags))
+        program, more = (int(x) for x in jax.device_get(flags))
         if not more:
             return _finish_jit(lengths_B, state, st)
-        if width == 0:
+        if program == 0:
             n = min(2**zeros_in_a_row, MAX_PLAIN_ROUNDS)
             zeros_in_a_row += 1
             state, d, flags = plain_segment(c, state, d, st, jnp.int32(n))
         else:
             zeros_in_a_row = 0
-            state, d, flags = host_segment(c, state, d, st, width)
+            state, d, flags = host_segment(c, state, d, st, program)
 
 
 def run_rounds(c: Ctx, prompts_BxP, lengths_B, rng, st: Static, loop: Loop) -> EngineOutput:
     """The generation on `loop` ("device" needs a fixed int policy)."""
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r} not in {LOOPS}")
+    if st.verify not in VERIFY_ENGINES:
+        raise ValueError(f"verify={st.verify!r} not in {VERIFY_ENGINES}")
+    if st.verify == "ragged":
+        if loop == "device":
+            raise ValueError("verify='ragged' picks a packed size per round: it needs loop='host'")
+        if not st.buckets:
+            b, k = prompts_BxP.shape[0], st.proposer.block_size
+            st = dataclasses.replace(st, buckets=packed_buckets(b, k))
+        return host_loop(c, prompts_BxP, lengths_B, rng, st)
     if loop == "device":
         if not isinstance(st.policy, int):
             raise ValueError(

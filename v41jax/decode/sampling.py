@@ -104,8 +104,13 @@ GREEDY = SamplingParams()  # the decoders' default: the argmax token
 
 
 def _per_row(value: Scalar, batch_shape: tuple[int, ...], dtype) -> jax.Array:
-    """A scalar or per-row knob as an array broadcastable against [..., V]."""
-    return jnp.broadcast_to(jnp.asarray(value, dtype), batch_shape)[..., None]
+    """A scalar or per-row knob as an array broadcastable against [..., V]. A per-row [B]
+    knob goes along the leading axis, also for logits [B, T, V] (every position of row b
+    gets row b's setting; numpy broadcasting would align it with T instead)."""
+    v = jnp.asarray(value, dtype)
+    if v.ndim == 1 and len(batch_shape) > 1:
+        v = v.reshape(v.shape + (1,) * (len(batch_shape) - 1))
+    return jnp.broadcast_to(v, batch_shape)[..., None]
 
 
 class SamplingPlan(NamedTuple):

@@ -28,6 +28,7 @@ def generate_with_drafter(args, run, padded, lengths, max_new, sampling, seed):
             dcfg.drafter,
             len(lengths),
             compression=run.compression.table,
+            verify=args.verify,
         )
     out = dspark_generate(
         run.params,
@@ -44,12 +45,13 @@ def generate_with_drafter(args, run, padded, lengths, max_new, sampling, seed):
         rng=jax.random.PRNGKey(seed),
         compression=run.compression.table,
         sampling=sampling,
+        verify=args.verify,
     )
     active = np.asarray(out.active)
     emitted = (np.asarray(out.accepted) + 1)[active].sum()
     print(
         f"drafter {args.drafter}: {emitted / max(active.sum(), 1):.2f} tokens per round "
-        f"({args.schedule})",
+        f"({args.schedule}, {args.verify})",
         file=sys.stderr,
     )
     return out.tokens

@@ -7,6 +7,11 @@ pass plus the Markov head, choose the verify width w from draft-side information
 generation as one `lax.while_loop` at a static width (the device loop); mode "scheduled" (or
 `loop="host"`) runs the host loop, one compiled program per width (`speculative_loops`).
 
+Two verify engines (`verify`, `v41jax.decode.engine`): "padded", one width for the batch;
+"ragged", each row its own length, the target run once over the packed tokens (sum over rows
+of 1 + L_b, padded to a static bucket). Scheduled ragged decoding reads a `RaggedCost` (the
+round's cost by packed token count) and schedules with basis "total" (`ScheduledLengths`).
+
 The scheduler trades expected tokens against the measured cost of a whole round at each width,
 timed inside the loop (`measure_round_cost`): the drafter pass, the Markov sampling and the
 context write are paid whatever w is, so a verify-only table would overstate what a longer
@@ -23,6 +28,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, get_args
 
 import jax
@@ -32,13 +38,21 @@ from flax import linen as nn
 from tqdm.auto import tqdm
 
 from v41jax.config import ModelConfig
-from v41jax.decode.engine import Ctx, Static, check_prompt_batch, draft_step
+from v41jax.decode.engine import (
+    VERIFY_ENGINES,
+    Ctx,
+    Static,
+    Verify,
+    check_prompt_batch,
+    draft_step,
+    packed_buckets,
+)
 from v41jax.decode.generate import check_compression
 from v41jax.decode.loops import host_segment, host_start, plain_segment, run_rounds
 from v41jax.decode.sampling import GREEDY, SamplingParams
 from v41jax.dspark.decode.admission import Admission
-from v41jax.dspark.decode.rounds import DSparkProposer, ScheduledWidth
-from v41jax.dspark.decode.scheduler import CostTable
+from v41jax.dspark.decode.rounds import DSparkProposer, ScheduledLengths, ScheduledWidth
+from v41jax.dspark.decode.scheduler import CostTable, RaggedCost
 from v41jax.dspark.model.config import DrafterConfig
 from v41jax.dspark.model.drafter import FrozenTarget, frozen_target
 
@@ -79,16 +93,21 @@ def check_dspark_args(
     mode: Mode,
     verify_len: int | None,
     loop: LoopChoice = "auto",
+    verify: Verify = "padded",
 ) -> None:
     k = drafter.block_size
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} not in {MODES}")
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r} not in {LOOPS}")
+    if verify not in VERIFY_ENGINES:
+        raise ValueError(f"verify={verify!r} not in {VERIFY_ENGINES}")
     if mode == "scheduled" and loop == "device":
         raise ValueError(
             "loop='device' runs one static verify width; mode='scheduled' needs loop='host'"
         )
+    if verify == "ragged" and loop == "device":
+        raise ValueError("verify='ragged' picks a packed size per round: it needs loop='host'")
     if verify_len is not None and not 1 <= verify_len <= k:
         raise ValueError(f"verify_len={verify_len} must be in [1, block_size={k}]")
     check_prompt_batch(prompt_shape, lengths, n_new)
@@ -121,6 +140,7 @@ def dspark_generate(
     compression: Any = None,
     loop: LoopChoice = "auto",
     admission: Admission | None = None,
+    verify: Verify = "padded",
 ) -> DSparkOutput:
     """Continue each right-padded prompt by `max_new_tokens` tokens with DSpark drafts.
 
@@ -129,8 +149,11 @@ def dspark_generate(
     from `measure_round_cost`). loop "auto" is "device" for fixed, "host" for scheduled; both
     loops give the same tokens for the same rng. admission (scheduled mode): None picks the
     one that keeps the drafter's confidences lossless (`admission_for`); "global" with the
-    prev-token confidence head is refused. The output is distributed exactly as
-    `generate(target_params, ...)` with the same sampling settings.
+    prev-token confidence head is refused. verify "ragged" (host loop): each row verifies
+    its own length in one packed target call; scheduled, `cost` is a `RaggedCost`
+    (`measure_round_cost(verify="ragged")`) and the lengths come from basis "total"
+    (`ScheduledLengths`; the hidden-state confidence head only). The output is distributed
+    exactly as `generate(target_params, ...)` with the same sampling settings.
     """
     shape = tuple(np.shape(prompt_tokens_BxP))
     if admission not in (None, "early_stop") and admission_for(drafter) == "early_stop":
@@ -139,12 +162,29 @@ def dspark_generate(
             "lossless (its c_k reads the sampled draft k-1): use admission='early_stop'"
         )
     check_dspark_args(
-        target_cfg, drafter, shape, prompt_lengths_B, max_new_tokens, mode, verify_len, loop
+        target_cfg,
+        drafter,
+        shape,
+        prompt_lengths_B,
+        max_new_tokens,
+        mode,
+        verify_len,
+        loop,
+        verify,
     )
     if mode == "scheduled" and cost is None:
         raise ValueError("mode='scheduled' needs the engine's round cost table (cost=...)")
-    if cost is not None and not isinstance(cost, CostTable):
-        raise ValueError(f"cost must be a CostTable, got {type(cost).__name__}")
+    want = RaggedCost if verify == "ragged" else CostTable
+    if cost is not None and not isinstance(cost, want):
+        raise ValueError(
+            f"verify={verify!r} reads a {want.__name__} (measure_round_cost(verify="
+            f"{verify!r})), got {type(cost).__name__}"
+        )
+    if verify == "ragged" and mode == "scheduled" and admission_for(drafter) == "early_stop":
+        raise ValueError(
+            "verify='ragged' schedules with the budget rule (basis 'total'), which reads every "
+            "confidence: it needs drafter.confidence_input='hidden', not 'prev_token'"
+        )
     check_compression(target_cfg, compression)
     if compression is not None:
         compression = jnp.asarray(compression, jnp.int32)
@@ -156,15 +196,26 @@ def dspark_generate(
         compression,
         lengths + max_new_tokens,
     )
-    if mode == "scheduled":
+    buckets: tuple[int, ...] = ()
+    if verify == "ragged":
+        buckets = cost.buckets if cost is not None else packed_buckets(shape[0], drafter.block_size)
+        if buckets[-1] < shape[0] * (1 + drafter.block_size):
+            raise ValueError(
+                f"the ragged cost table's buckets end at {buckets[-1]} tokens, below B (1 + K) "
+                f"= {shape[0] * (1 + drafter.block_size)}: it was measured for a smaller batch"
+            )
+    if mode == "scheduled" and verify == "ragged":
+        policy = ScheduledLengths(cost)
+    elif mode == "scheduled":
         policy = ScheduledWidth(cost, admission or admission_for(drafter))
     else:
         policy = verify_len or drafter.block_size
-    st = Static(target_cfg, DSparkProposer(drafter, target_cfg), max_new_tokens, policy)
+    proposer = DSparkProposer(drafter, target_cfg)
+    st = Static(target_cfg, proposer, max_new_tokens, policy, verify, buckets)
     prompts = jnp.asarray(prompt_tokens_BxP, jnp.int32)
     rng = jax.random.key(0) if rng is None else rng
     if loop == "auto":
-        loop = "host" if mode == "scheduled" else "device"
+        loop = "host" if mode == "scheduled" or verify == "ragged" else "device"
     return DSparkOutput(*run_rounds(c, prompts, lengths, rng, st, loop))
 
 
@@ -182,7 +233,9 @@ def measure_round_cost(
     compression: Any = None,
     progress: bool = False,
     include_plain: bool = True,
-) -> CostTable:
+    verify: Verify = "padded",
+    sizes: tuple[int, ...] | None = None,
+) -> CostTable | RaggedCost:
     """Seconds of one decode round at each verify width w = 0 .. K, B rows, as the loop runs
     it: for w >= 1 the drafter pass, Markov sampling, the target's verify of w + 1 tokens per
     row, the acceptance rule and the context write; for w = 0 (`include_plain`) a plain
@@ -198,7 +251,13 @@ def measure_round_cost(
     Timed inside the loop on purpose: a launch and a sync per round add a fixed cost to every
     width that flattens the table and hides that short widths are cheaper. `progress` shows
     a bar over the timed decodes. Returns CostTable(tokens = B (1 + w), seconds), the table
-    `schedule_verify_lengths(basis="width")` reads; its B-token entry is the plain round."""
+    `schedule_verify_lengths(basis="width")` reads; its B-token entry is the plain round.
+
+    verify "ragged": the same rounds on the ragged engine at each packed size n of `sizes`
+    (default: every size of `packed_buckets(B, K)` from 2 up): min(B, n // 2) rows active,
+    each verifying >= 1 draft, n tokens in all (`FixedLengths`), the other rows finished.
+    Returns a `RaggedCost` (the table by packed size, the buckets, the plain round's
+    seconds when `include_plain`)."""
     k, s = drafter.block_size, target_cfg.max_seq_len
     if rounds is None:  # 16, or as many as the target's context holds
         rounds = max(1, min(16, (s - 2 * k - 2) // (k + 1)))
@@ -226,31 +285,75 @@ def measure_round_cost(
     prompts = jnp.zeros((b, 1), jnp.int32)
     proposer = DSparkProposer(drafter, target_cfg)
     tick = time.get_clock_info("perf_counter").resolution
+    buckets = packed_buckets(b, k) if verify == "ragged" else ()
+    if verify == "ragged":
+        sizes = tuple(x for x in buckets if x >= 2) if sizes is None else tuple(sizes)
+        bad = [x for x in sizes if not (isinstance(x, int) and 2 <= x <= b * (1 + k))]
+        if not sizes or bad:
+            raise ValueError(
+                f"sizes {bad or list(sizes)} must be ints in [2, B (1 + K) = {b * (1 + k)}]"
+            )
+        points = [0] * include_plain + list(sizes)
+    elif verify == "padded":
+        points = list(range(0 if include_plain else 1, k + 1))
+    else:
+        raise ValueError(f"verify={verify!r} not in {VERIFY_ENGINES}")
 
-    def seconds_per_round(w: int, p: int) -> float:
-        st = Static(target_cfg, proposer, n_new, w)
-        state, d, _ = jax.block_until_ready(host_start(c, prompts, lengths, jax.random.key(p), st))
+    def seconds_per_round(point: int, p: int) -> float:
+        ctx, policy, program = c, point, point
+        if verify == "ragged" and point:
+            lens = ragged_lengths(point, b, k)
+            ctx = c._replace(end_B=jnp.where(jnp.asarray(lens) > 0, c.end_B, lengths))
+            policy = FixedLengths(tuple(max(x, 0) for x in lens))
+            program = min(x for x in buckets if x >= point)
+        st = Static(target_cfg, proposer, n_new, policy, verify, buckets)
+        state, d, _ = jax.block_until_ready(
+            host_start(ctx, prompts, lengths, jax.random.key(p), st)
+        )
         r0 = int(state.r)
         start = time.perf_counter()
-        if w == 0:
-            segment = plain_segment(c, state, d, st, jnp.int32(rounds))
+        if point == 0:
+            segment = plain_segment(ctx, state, d, st, jnp.int32(rounds))
         else:
-            segment = host_segment(c, state, d, st, w)
+            segment = host_segment(ctx, state, d, st, program)
         state = jax.block_until_ready(segment)[0]
         elapsed = time.perf_counter() - start
         return max(elapsed, tick) / (int(state.r) - r0)
 
-    widths = list(range(0 if include_plain else 1, k + 1))
-    best = {w: float("inf") for w in widths}
-    bar = tqdm(total=(passes + 1) * len(widths), desc="timing widths", disable=not progress)
+    best = {x: float("inf") for x in points}
+    what = "packed sizes" if verify == "ragged" else "widths"
+    bar = tqdm(total=(passes + 1) * len(points), desc=f"timing {what}", disable=not progress)
     for p in range(passes + 1):  # pass 0 compiles
-        for w in widths[:: 1 if p % 2 == 0 else -1]:  # alternate the order: drift
-            secs = seconds_per_round(w, p)
+        for x in points[:: 1 if p % 2 == 0 else -1]:  # alternate the order: drift
+            secs = seconds_per_round(x, p)
             if p:
-                best[w] = min(best[w], secs)
+                best[x] = min(best[x], secs)
             bar.update(1)
     bar.close()
-    return CostTable(tuple(b * (1 + w) for w in widths), tuple(best[w] for w in widths))
+    if verify == "ragged":
+        table = CostTable(tuple(sizes), tuple(best[x] for x in sizes))
+        return RaggedCost(table, buckets, best[0] if include_plain else None)
+    return CostTable(tuple(b * (1 + w) for w in points), tuple(best[w] for w in points))
+
+
+def ragged_lengths(n: int, b: int, k: int) -> list[int]:
+    """Verify lengths of B rows that pack exactly n tokens (2 <= n <= B (1 + K)):
+    a = min(B, n // 2) rows active with >= 1 draft each, the rest of the n - 2a drafts spread
+    evenly; -1 marks a finished row."""
+    a = min(b, n // 2)
+    extra = n - 2 * a
+    lens = [1 + extra // a + (i < extra % a) for i in range(a)]
+    return lens + [-1] * (b - a)
+
+
+@dataclass(frozen=True)
+class FixedLengths:
+    """A ragged-engine policy that verifies lengths[b] drafts in row b every round."""
+
+    lengths: tuple[int, ...]
+
+    def __call__(self, conf_BxK, active_B, useful_B) -> jax.Array:
+        return jnp.asarray(self.lengths, jnp.int32)
 
 
 def load_or_measure_cost(
@@ -265,17 +368,21 @@ def load_or_measure_cost(
     *,
     rounds: int | None = None,
     passes: int = 3,
-) -> CostTable:
+    verify: Verify = "padded",
+) -> CostTable | RaggedCost:
     """The round-cost table saved with the drafter run for this batch size, measured on first
-    use (`loop_round_cost_b{B}.json`; delete it to re-measure on another machine). Measuring
-    compiles and times K + 1 decodes per pass (`rounds`, `passes`: `measure_round_cost`); it
-    says so on stderr and shows `progress`."""
-    path = os.path.join(drafter_workdir, f"loop_round_cost_b{batch_size}.json")
+    use (`loop_round_cost_b{B}.json`, or `ragged_round_cost_b{B}.json` for verify "ragged";
+    delete it to re-measure on another machine). Measuring compiles and times a decode per
+    width (packed size) and pass (`rounds`, `passes`: `measure_round_cost`); it says so on
+    stderr and shows `progress`."""
+    name = "ragged_round_cost" if verify == "ragged" else "loop_round_cost"
+    path = os.path.join(drafter_workdir, f"{name}_b{batch_size}.json")
     if os.path.exists(path):
-        return CostTable.load(path)
+        return RaggedCost.load(path) if verify == "ragged" else CostTable.load(path)
+    what = "packed sizes" if verify == "ragged" else f"verify widths 0..{drafter.block_size}"
     print(
-        f"measuring the decode-round cost at verify widths 0..{drafter.block_size} for batch "
-        f"{batch_size} (once per drafter and batch size; saved to {path})",
+        f"measuring the decode-round cost at {what} for batch {batch_size} (once per drafter "
+        f"and batch size; saved to {path})",
         file=sys.stderr,
     )
     frozen = frozen_target(target_params, target_cfg)
@@ -290,6 +397,7 @@ def load_or_measure_cost(
         passes=passes,
         compression=compression,
         progress=progress,
+        verify=verify,
     )
     cost.save(path)
     return cost

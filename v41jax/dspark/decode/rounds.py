@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from v41jax.config import ModelConfig
 from v41jax.decode.engine import Proposal
 from v41jax.dspark.decode.admission import Admission
-from v41jax.dspark.decode.scheduler import Basis, CostTable, schedule_verify_lengths
+from v41jax.dspark.decode.scheduler import Basis, CostTable, RaggedCost, schedule_verify_lengths
 from v41jax.dspark.model.confidence import draft_confidence, previous_tokens
 from v41jax.dspark.model.config import DrafterConfig
 from v41jax.dspark.model.drafter import Drafter
@@ -66,6 +66,29 @@ class ScheduledWidth:
 
     def __call__(self, conf_BxK, active_B, useful_B) -> jax.Array:
         return scheduled_width(conf_BxK, self.cost, active_B, useful_B, admission=self.admission)
+
+
+@dataclass(frozen=True)
+class ScheduledLengths:
+    """The ragged engine's policy of DSpark's scheduled mode: each row's verify length, int32
+    [B] in [0, K], from `schedule_verify_lengths(basis="total")` on the round's confidences
+    with the measured `RaggedCost` (its packed sizes and the plain round's cost). Needs
+    confidences fixed before any draft is sampled (the hidden-state head: admission
+    "global"); the budget rule reads every row's c_1 .. c_K."""
+
+    cost: RaggedCost
+
+    def __call__(self, conf_BxK, active_B, useful_B) -> jax.Array:
+        sched = schedule_verify_lengths(
+            conf_BxK,
+            self.cost.rounds,
+            basis="total",
+            active_B=active_B,
+            useful_B=useful_B,
+            buckets=self.cost.buckets,
+            plain_seconds=self.cost.plain_seconds,
+        )
+        return sched.verify_len
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,10 @@ s is non-increasing in j and ties prefer the smaller position, each request gets
 
     tau(n)        = B_active + sum of the survivals of the n chosen slots (expected tokens;
                                              finished rows emit nothing and have s = 0)
-    tokens(n)     = B + n                    basis "total":  a ragged engine verifies each
-                                             request's pending token plus its drafts
+    tokens(n)     = B_active + n             basis "total":  the ragged engine verifies each
+                                             active request's pending token plus its drafts
+                                             (n counts the active rows' drafts; a finished
+                                             row verifies nothing, verify_len 0)
                   = B * (1 + max_b L_b(n))   basis "padded": every request padded to the
                                              longest verify length
     throughput(n) = tau(n) / cost(tokens(n))
@@ -44,6 +46,16 @@ over w = 1 .. K, the same argmax and min_gain fallback, verify_len = w for every
 the budget rule applied to the slots a padded engine actually verifies: "padded" counts only
 the n largest survivals, under-counting wide rounds (on the DSpark experiment's logged rounds
 its choices earned 0.997x the best fixed length, "width" 1.000x; `v41jax.dspark.train.replay`).
+
+Basis "total" is the ragged engine's own expectation (`v41jax.decode.engine`, verify
+"ragged"). That engine runs a round at a few static packed sizes (`buckets`): a round of t
+tokens costs what a round of the smallest bucket >= t costs, so with `buckets` the cost is
+read there (a step of the staircase; the budget then fills a bucket up with the next
+survivals for free). Its cost table is measured over packed token counts (a whole round:
+drafter pass, verify of t packed tokens, acceptance). With `plain_seconds` (the seconds of a
+plain round of the B rows: no drafter pass, one token each), "no drafts" is a candidate too:
+throughput B_active / plain_seconds; it wins when it beats every budget (first on ties), and
+then every verify_len is 0.
 
 Width 0 (basis "width" only): when the cost table has an entry at exactly B tokens (a round
 that verifies nothing: one plain decode step, no drafter pass), w = 0 is a candidate too, with
@@ -164,6 +176,53 @@ class CostTable:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+@dataclass(frozen=True)
+class RaggedCost:
+    """The ragged engine's measured round costs (`measure_round_cost(verify="ragged")`):
+    `rounds` the seconds of a drafted round by packed token count (drafter pass, verify of
+    that many packed tokens, acceptance), `buckets` the packed sizes the engine runs, and
+    `plain_seconds` a plain round of the B rows (no drafter pass), or None to never choose
+    one. What basis "total" reads (`schedule_verify_lengths(buckets=, plain_seconds=)`)."""
+
+    rounds: CostTable
+    buckets: tuple[int, ...]
+    plain_seconds: float | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.rounds, CostTable):
+            raise ValueError(f"rounds must be a CostTable, got {type(self.rounds).__name__}")
+        b = tuple(self.buckets)
+        if not b or any(y <= x for x, y in zip(b, b[1:], strict=False)) or b[0] < 1:
+            raise ValueError(f"buckets={list(b)} must be strictly increasing positive ints")
+        object.__setattr__(self, "buckets", tuple(int(x) for x in b))
+        p = self.plain_seconds
+        if p is not None and not (isinstance(p, int | float) and math.isfinite(p) and p > 0):
+            raise ValueError(f"plain_seconds={p!r} must be a finite number > 0 or None")
+
+    def to_dict(self) -> dict:
+        return {
+            "rounds": self.rounds.to_dict(),
+            "buckets": list(self.buckets),
+            "plain_seconds": self.plain_seconds,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RaggedCost:
+        if not isinstance(d, dict) or set(d) != {"rounds", "buckets", "plain_seconds"}:
+            keys = sorted(d) if isinstance(d, dict) else type(d).__name__
+            raise ValueError(
+                f"ragged cost dict needs keys rounds, buckets, plain_seconds; got {keys}"
+            )
+        return cls(CostTable.from_dict(d["rounds"]), tuple(d["buckets"]), d["plain_seconds"])
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> RaggedCost:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
 class Schedule(NamedTuple):
     """verify_len int32 [B] in [1, K] (0 = width 0, basis "width" only); budget int32 scalar
     (n = sum verify_len); expected tokens tau(n), throughput(n) and throughput(B K) (tokens per
@@ -205,13 +264,48 @@ def check_schedule_args(
     return shape
 
 
+def check_buckets(buckets, b: int, k: int) -> tuple[int, ...] | None:
+    """`buckets` as a tuple: strictly increasing positive ints whose largest holds a round of
+    every row verifying K drafts, B (1 + K) tokens (None stays None)."""
+    if buckets is None:
+        return None
+    got = tuple(buckets)
+    ok = all(isinstance(x, int | np.integer) and not isinstance(x, bool) and x >= 1 for x in got)
+    if not got or not ok or any(y <= x for x, y in zip(got, got[1:], strict=False)):
+        raise ValueError(f"buckets={list(got)} must be strictly increasing positive ints")
+    if got[-1] < b * (1 + k):
+        raise ValueError(
+            f"buckets={list(got)}: the largest, {got[-1]}, is below B (1 + K) = {b * (1 + k)} "
+            "tokens, a round where every row verifies all its drafts"
+        )
+    return tuple(int(x) for x in got)
+
+
+def bucket_ceil(tokens, buckets: tuple[int, ...]):
+    """The smallest bucket >= tokens (numpy or jnp ints; tokens <= the largest bucket)."""
+    xp = jnp if isinstance(tokens, jax.Array) else np
+    table = xp.asarray(buckets)
+    return table[xp.minimum(xp.searchsorted(table, tokens, side="left"), len(buckets) - 1)]
+
+
+def _token_costs(cost: CostTable, b: int, k: int, buckets) -> np.ndarray:
+    """Basis "total": cost by packed token count t = 0 .. B (1 + K) (at the bucket >= t with
+    buckets), float64 [B (1 + K) + 1]. t < 2 cannot occur (an active row verifies its
+    pending token and >= 1 draft) and is inf; raises if a reachable cost is <= 0."""
+    tokens = np.arange(b * (1 + k) + 1)
+    secs = np.full(tokens.shape, np.inf)
+    read = tokens[2:] if buckets is None else bucket_ceil(tokens[2:], buckets)
+    secs[2:] = np.atleast_1d(cost(read))
+    if np.any(secs[2:] <= 0):
+        t = int(read[np.argmax(secs[2:] <= 0)])
+        raise ValueError(f"cost table gives cost {cost(t)} <= 0 at {t} tokens (extrapolated)")
+    return secs
+
+
 def _slot_costs(cost: CostTable, b: int, k: int, basis: Basis) -> np.ndarray:
-    """Static cost per candidate: basis total -> [M + 1] for n = B + m (m = 0..M, M = B(K-1));
-    padded -> [K] for max L = 1..K; width -> [K + 1 - w0] for w = w0..K (`first_width`).
-    Raises if a cost is <= 0 (throughput undefined)."""
-    if basis == "total":
-        tokens = b + b + np.arange(b * (k - 1) + 1)  # B pending tokens + n = B + m drafts
-    elif basis == "width":
+    """Static cost per candidate: padded -> [K] for max L = 1..K; width -> [K + 1 - w0] for
+    w = w0..K (`first_width`). Raises if a cost is <= 0 (throughput undefined)."""
+    if basis == "width":
         tokens = b * (1 + np.arange(first_width(cost, b), k + 1))
     else:
         tokens = b * (1 + np.arange(1, k + 1))
@@ -231,8 +325,13 @@ def schedule_verify_lengths(
     active_B: jax.Array | None = None,
     useful_B: jax.Array | None = None,
     admission: Admission = "global",
+    buckets: tuple[int, ...] | None = None,
+    plain_seconds: float | None = None,
 ) -> Schedule:
     """Verify lengths L [B] from confidences c [B, K] in [0, 1] (see the module docstring).
+
+    `buckets`, `plain_seconds` (basis "total" only): the ragged engine's packed sizes and
+    the cost of a plain round (module docstring).
 
     `admission` (basis "width" only for "early_stop"): "global", the argmax of throughput
     over every width with the min_gain fallback; "early_stop", the stopping rule of
@@ -254,13 +353,25 @@ def schedule_verify_lengths(
     confidences traced (jit/vmap it with cost, basis, min_gain closed over); values are
     checked only when concrete.
     """
-    b, _ = check_schedule_args(confidence_BxK, cost, basis, min_gain, admission)
+    b, k = check_schedule_args(confidence_BxK, cost, basis, min_gain, admission)
     active_B = check_active(active_B, b)
-    useful_B = check_useful(useful_B, b, np.shape(confidence_BxK)[1])
+    useful_B = check_useful(useful_B, b, k)
+    if basis != "total" and (buckets is not None or plain_seconds is not None):
+        raise ValueError(f"buckets and plain_seconds are for basis 'total', not {basis!r}")
+    buckets = check_buckets(buckets, b, k)
+    if plain_seconds is not None:
+        ok = isinstance(plain_seconds, int | float | np.number) and not isinstance(
+            plain_seconds, bool
+        )
+        if not ok or not (math.isfinite(plain_seconds) and plain_seconds > 0):
+            raise ValueError(f"plain_seconds={plain_seconds!r} must be a finite number > 0")
+        plain_seconds = float(plain_seconds)
     conf = jnp.asarray(confidence_BxK, jnp.float32)
     active = jnp.asarray(active_B, bool)
     useful = jnp.asarray(useful_B, jnp.int32)
-    return _schedule(conf, active, useful, cost, basis, float(min_gain), admission)
+    return _schedule(
+        conf, active, useful, cost, basis, float(min_gain), admission, buckets, plain_seconds
+    )
 
 
 def check_useful(useful_B, b: int, k: int):
@@ -287,7 +398,7 @@ def check_active(active_B, b: int):
     return active_B
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7, 8))
 def _schedule(
     conf_BxK,
     active_B,
@@ -296,13 +407,17 @@ def _schedule(
     basis: Basis,
     min_gain: float,
     admission: Admission,
+    buckets: tuple[int, ...] | None = None,
+    plain_seconds: float | None = None,
 ) -> Schedule:
     b, k = conf_BxK.shape
     conf_BxK = jnp.where(active_B[:, None], conf_BxK, 0.0)
     n_req = jnp.sum(active_B).astype(jnp.float32)  # requests that will emit a token
-    m_free = b * (k - 1)  # slots at positions j >= 2, handed out by survival
     useful_BxK = jnp.arange(1, k + 1) <= useful_B[:, None]
     surv_BxK = jnp.where(useful_BxK, jnp.cumprod(conf_BxK, axis=1), 0.0)
+    if basis == "total":
+        return _total_schedule(surv_BxK, active_B, n_req, cost, min_gain, buckets, plain_seconds)
+    m_free = b * (k - 1)  # slots at positions j >= 2, handed out by survival
     forced = jnp.sum(surv_BxK[:, 0])
     secs = jnp.asarray(_slot_costs(cost, b, k, basis), jnp.float32)
     if basis == "width":  # one width for the batch: every row's prefix of w drafts counts
@@ -320,12 +435,10 @@ def _schedule(
     flat_M = jnp.arange(m_free, dtype=jnp.int32)
     neg_sorted, order_M = lax.sort((-free_M, flat_M), num_keys=2)
     tau_n = n_req + forced + jnp.concatenate([jnp.zeros(1), jnp.cumsum(-neg_sorted)])  # [M+1]
-    if basis == "total":
-        cost_n = secs
-    else:  # max L after m free slots = max(1, largest position among the first m in order)
-        pos_M = order_M // b + 2
-        max_len = jnp.concatenate([jnp.ones(1, jnp.int32), lax.cummax(pos_M, axis=0)])
-        cost_n = secs[max_len - 1]
+    # max L after m free slots = max(1, largest position among the first m in order)
+    pos_M = order_M // b + 2
+    max_len = jnp.concatenate([jnp.ones(1, jnp.int32), lax.cummax(pos_M, axis=0)])
+    cost_n = secs[max_len - 1]
     thr_n = tau_n / cost_n
     best = jnp.argmax(thr_n)  # the first index on ties
     full = thr_n[m_free]
@@ -334,3 +447,46 @@ def _schedule(
     chosen_BxK1 = (rank_M < best).reshape(k - 1, b).T
     verify_len = 1 + jnp.sum(chosen_BxK1, axis=1, dtype=jnp.int32)
     return Schedule(verify_len, (b + best).astype(jnp.int32), tau_n[best], thr_n[best], full)
+
+
+def _total_schedule(
+    surv_BxK, active_B, n_req, cost: CostTable, min_gain: float, buckets, plain_seconds
+) -> Schedule:
+    """Basis "total" (module docstring): every active row's first draft is forced, the other
+    slots go by survival; tokens(n) = B_active + n counts active rows only (a finished row's
+    slots have survival 0 and add no token), read at the bucket >= it."""
+    b, k = surv_BxK.shape
+    n_act = jnp.sum(active_B, dtype=jnp.int32)
+    secs_T = jnp.asarray(_token_costs(cost, b, k, buckets), jnp.float32)
+    forced = jnp.sum(surv_BxK[:, 0])
+    m_free = b * (k - 1)
+    # Position-major flat index f = (j - 2) B + row: sorting by (finished, -s, f) is "active
+    # rows first, then largest survival first, ties to the smaller position, then the smaller
+    # row" with no reliance on stability. The first n_act (K - 1) slots are the active rows';
+    # past them tokens and tau stay put (so the argmax, first on ties, never goes there).
+    free_M = surv_BxK[:, 1:].T.reshape(-1)
+    flat_M = jnp.arange(m_free, dtype=jnp.int32)
+    finished_M = jnp.tile(~active_B, k - 1).astype(jnp.int32)
+    _, neg_sorted, order_M = lax.sort((finished_M, -free_M, flat_M), num_keys=3)
+    zero = jnp.zeros(1, jnp.float32)
+    tau_n = n_req + forced + jnp.concatenate([zero, jnp.cumsum(-neg_sorted)])  # [M + 1]
+    drafts_n = n_act + jnp.minimum(jnp.arange(m_free + 1, dtype=jnp.int32), n_act * (k - 1))
+    thr_n = tau_n / secs_T[n_act + drafts_n]
+    best = jnp.argmax(thr_n)  # the first index on ties
+    full = thr_n[m_free]
+    best = jnp.where(thr_n[best] > (1.0 + min_gain) * full, best, m_free)
+    rank_M = jnp.zeros(m_free, jnp.int32).at[order_M].set(flat_M)  # inverse permutation
+    chosen_BxK1 = (rank_M < best).reshape(k - 1, b).T
+    verify_len = jnp.where(active_B, 1 + jnp.sum(chosen_BxK1, axis=1, dtype=jnp.int32), 0)
+    sched = Schedule(verify_len, drafts_n[best], tau_n[best], thr_n[best], full)
+    if plain_seconds is None:
+        return sched
+    plain = n_req / jnp.float32(plain_seconds)
+    take_plain = plain >= sched.throughput
+    return Schedule(
+        jnp.where(take_plain, 0, sched.verify_len),
+        jnp.where(take_plain, 0, sched.budget),
+        jnp.where(take_plain, n_req, sched.expected_tokens),
+        jnp.where(take_plain, plain, sched.throughput),
+        full,
+    )

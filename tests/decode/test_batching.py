@@ -1,0 +1,153 @@
+"""Continuous batching (`v41jax.decode.batching`): requests of mixed prompt lengths, lengths
+and sampling settings stream through fewer slots than requests; each greedy request's output
+equals decoding it alone, for plain decoding, padded and ragged DSpark, whatever joined or
+left beside it; sampled requests keep the target's law (G-test with a negative control);
+requests that cannot fit are refused with their lengths."""
+
+import dataclasses
+import importlib.util
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from v41jax.decode import generate
+from v41jax.decode.batching import ContinuousBatcher, PlainProposer, Request
+from v41jax.decode.sampling import SamplingParams
+from v41jax.dspark.decode.rounds import DSparkProposer
+
+
+def _law_helpers():
+    """tests/dspark/test_dspark_engine_law.py's tiny target / drafter and law helpers (pytest
+    imports test files by path here, so it is loaded by path too)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(os.path.dirname(here), "dspark", "test_dspark_engine_law.py")
+    spec = importlib.util.spec_from_file_location("dspark_law_helpers_for_batching", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LAW = _law_helpers()
+TARGET = LAW.TARGET
+
+
+def _requests(n, seed, sampling=None):
+    rng = np.random.default_rng(seed)
+    return [
+        Request(
+            rng.integers(0, TARGET.vocab_size, int(rng.integers(1, 9))).tolist(),
+            int(rng.integers(1, 20)),
+            sampling if sampling is not None else SamplingParams(),
+            request_id=i,
+        )
+        for i in range(n)
+    ]
+
+
+def _alone(tp, requests):
+    """{request_id: greedy tokens of plain `generate`}: one call (its rows are independent;
+    a greedy continuation's prefix is the shorter continuation)."""
+    width, longest = max(len(r.prompt) for r in requests), max(r.max_new_tokens for r in requests)
+    prompts = np.zeros((len(requests), width), np.int32)
+    for i, r in enumerate(requests):
+        prompts[i, : len(r.prompt)] = r.prompt
+    lengths = np.asarray([len(r.prompt) for r in requests], np.int32)
+    out = np.asarray(generate(tp, TARGET, prompts, lengths, max_new_tokens=longest))
+    return {r.request_id: out[i, : r.max_new_tokens] for i, r in enumerate(requests)}
+
+
+DECODERS = {
+    "plain": lambda dcfg: (PlainProposer(TARGET.vocab_size), 0, "padded"),
+    "padded_L3": lambda dcfg: (DSparkProposer(dcfg, TARGET), 3, "padded"),
+    "ragged_L2": lambda dcfg: (DSparkProposer(dcfg, TARGET), 2, "ragged"),
+}
+
+
+@pytest.mark.parametrize("decoder", sorted(DECODERS))
+def test_each_greedy_request_equals_decoding_it_alone(decoder):
+    tp, dp, frozen, dcfg = LAW.models()
+    proposer, policy, verify = DECODERS[decoder](dcfg)
+    params = None if decoder == "plain" else (dp, frozen)
+    batcher = ContinuousBatcher(tp, TARGET, params, proposer, slots=3, policy=policy, verify=verify)
+    requests = _requests(9, seed=0)
+    out = batcher.run(requests)
+    assert sorted(c.request_id for c in out) == list(range(9))
+    want = _alone(tp, requests)
+    for c in out:
+        np.testing.assert_array_equal(
+            c.tokens, want[c.request_id], err_msg=f"request {c.request_id}"
+        )
+        assert c.finished_s >= c.started_s >= c.submitted_s
+        assert c.rounds <= requests[c.request_id].max_new_tokens - 1
+        if decoder != "plain" and c.rounds:
+            assert 0 <= c.accepted <= c.drafted
+    # requests finished out of order: slots were refilled while others ran on
+    assert [c.request_id for c in out] != sorted(c.request_id for c in out)
+    assert batcher.busy == 0 and batcher.waiting == 0
+
+
+def test_greedy_requests_are_unmoved_by_sampled_neighbours_and_refills():
+    """Half the requests sample at temperature 1 with top-k; the greedy half still equals
+    decoding alone, with a queue that keeps the slots changing."""
+    tp, dp, frozen, dcfg = LAW.models()
+    greedy = _requests(6, seed=1)
+    hot = [
+        dataclasses.replace(r, sampling=SamplingParams(1.0, top_k=5), request_id=100 + i)
+        for i, r in enumerate(_requests(6, seed=2))
+    ]
+    mixed = [x for pair in zip(greedy, hot, strict=True) for x in pair]
+    batcher = ContinuousBatcher(
+        tp, TARGET, (dp, frozen), DSparkProposer(dcfg, TARGET), slots=4, policy=2, verify="ragged",
+        rng=jax.random.key(7),
+    )  # fmt: skip
+    out = {c.request_id: c for c in batcher.run(mixed)}
+    want = _alone(tp, greedy)
+    for r in greedy:
+        np.testing.assert_array_equal(out[r.request_id].tokens, want[r.request_id])
+    assert all(len(out[r.request_id].tokens) == r.max_new_tokens for r in hot)
+
+
+@pytest.mark.slow  # the ragged path's law is tested fast in tests/dspark/test_dspark_ragged.py
+def test_sampled_requests_follow_the_target_law():
+    """6,000 one-prompt requests at temperature 1 through 48 slots of ragged DSpark: tokens 2
+    and 3 follow the exact law (G-test) and not a perturbed model's (negative control)."""
+    cfg = dataclasses.replace(TARGET, vocab_size=8, init_std=0.3)
+    tp, dp, frozen, dcfg = LAW.models(cfg, LAW.drafter_cfg(block_size=2), seed=3)
+    prompt = [1, 5, 2]
+    requests = [Request(prompt, 3, SamplingParams(1.0), request_id=i) for i in range(6000)]
+    batcher = ContinuousBatcher(
+        tp, cfg, (dp, frozen), DSparkProposer(dcfg, cfg), slots=48, policy=2, verify="ragged",
+        rng=jax.random.key(11),
+    )  # fmt: skip
+    out = batcher.run(requests)
+    toks = np.stack([c.tokens for c in out])
+    assert sum(c.accepted for c in out) > 0 and sum(c.drafted - c.accepted for c in out) > 0
+    cells = toks[:, 1] * 8 + toks[:, 2]
+    law = LAW.exact_law(cfg, tp, np.asarray(prompt), 3).reshape(8, 8, 8).sum(0).reshape(-1)
+    assert LAW._g_pvalue(cells, law) > 1e-3
+    wrong = LAW.exact_law(cfg, jax.tree.map(lambda x: 0.8 * x, tp), np.asarray(prompt), 3)
+    assert LAW._g_pvalue(cells, wrong.reshape(8, 8, 8).sum(0).reshape(-1)) < 1e-6
+
+
+def test_requests_that_cannot_fit_are_refused_with_their_lengths():
+    tp, dp, frozen, dcfg = LAW.models()
+    batcher = ContinuousBatcher(
+        tp, TARGET, (dp, frozen), DSparkProposer(dcfg, TARGET), slots=2, policy=3
+    )
+    need = r"prompt length 40 \+ max_new_tokens 20 \+ the drafter's slack 7 = 67 exceeds"
+    with pytest.raises(ValueError, match=need + " max_seq_len 64"):
+        batcher.submit(Request([1] * 40, 20, request_id="long"))
+    with pytest.raises(ValueError, match=r"vocab_size=16\), got \[0, 16\]"):
+        batcher.submit(Request([0, 16], 4))
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        batcher.submit(Request([1], 0))
+    with pytest.raises(ValueError, match="must be a scalar"):
+        batcher.submit(Request([1], 3, SamplingParams(np.array([1.0, 0.0]))))
+    with pytest.raises(ValueError, match="slots=0"):
+        ContinuousBatcher(tp, TARGET, None, PlainProposer(16), slots=0, policy=0)
+    assert batcher.waiting == 0
+    # a request done at its prefill (one new token) completes too
+    (done,) = batcher.run([Request([3, 4], 1, request_id="one")])
+    np.testing.assert_array_equal(done.tokens, _alone(tp, [Request([3, 4], 1)])[None])

@@ -1,0 +1,364 @@
+"""Continuous batching: a request queue feeding a fixed number of batch slots of the
+speculative engine (`v41jax.decode.engine`), so that the batch stays full.
+
+The engine decodes B slots at once. A static batch idles a slot once its row is done, until
+the longest row finishes; here the host loop (`ContinuousBatcher.step`) runs segments of
+rounds that stop as soon as a row finishes (`Static.stop_on_finish`), hands the finished
+request back (`Completion`), and refills free slots with waiting requests between segments:
+
+    refill:  prefill the new prompts (target KV cache, the drafter's state, the first token
+             sampled at the prompt's last position), written into their slots (`refill_rows`,
+             one program per (number of new rows, prompt width) bucket), then one drafter
+             pass over the whole batch (the refilled rows need drafts; the other rows' drafts
+             are drawn afresh, which keeps the law: the discarded ones were never verified);
+    segment: rounds at one verify program until it changes or a row finishes (host loop).
+
+A request's output does not depend on the others: every row reads only its own cache rows,
+history and position (attention, the ragged packing and Engram's ids are per row; the
+drafter's context is per row), so greedy output equals decoding the request alone, whatever
+joined or left beside it. Sampling settings and lengths are per request (the engine's
+settings are per-row arrays; a free slot is a finished row, end 0). The cost of refilling:
+one prefill per refill and one extra drafter pass per refill event.
+
+Plain decoding runs through the same loop with `PlainProposer` and policy 0 (every round a
+plain round, no drafter pass), so decoders are compared under the same batching.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import linen as nn
+
+from v41jax.config import ModelConfig
+from v41jax.decode.engine import (
+    MAX_PLAIN_ROUNDS,
+    VERIFY_ENGINES,
+    Ctx,
+    Proposal,
+    State,
+    Static,
+    packed_buckets,
+    prefill,
+)
+from v41jax.decode.loops import draft_with_flags, host_segment, host_start, plain_segment
+from v41jax.decode.sampling import GREEDY, SamplingParams
+
+
+@dataclass(frozen=True)
+class PlainProposer:
+    """A drafter that never drafts: with policy 0 every round is a plain decode round (the
+    engine's width 0), so plain decoding runs through the engine and its batching. Its one
+    "draft" per segment is a zero token with a uniform law, never verified."""
+
+    vocab_size: int
+    block_size: int = 1
+    slack: int = 0
+    hidden_layers: tuple[int, ...] = ()
+
+    def seq_len(self, target_cfg: ModelConfig) -> int:
+        return target_cfg.max_seq_len
+
+    def init(self, params, target_out, prompts_BxP, lengths_B, compression):
+        return None
+
+    def propose(self, params, dstate, history_BxS, pos_B, active_B, key, probs, compression):
+        b = pos_B.shape[0]
+        q = jnp.full((b, 1, self.vocab_size), 1.0 / self.vocab_size, jnp.float32)
+        zeros = jnp.zeros((b, 1), jnp.int32)
+        return Proposal(zeros, q, zeros.astype(jnp.float32)), dstate
+
+    def observe(self, params, dstate, history_BxS, target_out, start_B, compression):
+        return dstate
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request: `prompt` token ids (>= 1), `max_new_tokens` (>= 1), its own
+    sampling settings (scalars), and an id handed back with its `Completion`."""
+
+    prompt: Sequence[int]
+    max_new_tokens: int
+    sampling: SamplingParams = GREEDY
+    request_id: Any = None
+
+
+class Completion(NamedTuple):
+    """A finished request: tokens int32 [max_new_tokens]; rounds it took part in, drafts it
+    verified and drafts accepted; submitted / started (prefilled) / finished times in seconds
+    of the batcher's clock."""
+
+    request_id: Any
+    tokens: np.ndarray
+    rounds: int
+    drafted: int
+    accepted: int
+    submitted_s: float
+    started_s: float
+    finished_s: float
+
+    @property
+    def latency_s(self) -> float:
+        return self.finished_s - self.submitted_s
+
+
+@dataclass
+class _Slot:
+    request: Request
+    submitted_s: float
+    started_s: float = 0.0
+
+
+def batch_axes(c: Ctx, st: Static, prompt_width: int) -> tuple[int | None, ...]:
+    """The batch axis of every leaf of the engine's `State` (flattened order), None for the
+    leaves without one (round counter, key): found from the state's shapes at 1 and 2 rows."""
+
+    def state_of(b):
+        ctx = Ctx(
+            c.target_params,
+            c.drafter_params,
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct((b,), x.dtype), c.sampling),
+            c.compression,
+            jax.ShapeDtypeStruct((b,), jnp.int32),
+        )
+        prompts = jax.ShapeDtypeStruct((b, prompt_width), jnp.int32)
+        lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+        return jax.eval_shape(
+            functools.partial(prefill, st=st), ctx, prompts, lengths, jax.random.key(0)
+        )
+
+    one, two = (jax.tree.leaves(state_of(b)) for b in (1, 2))
+    axes = []
+    for a, b in zip(one, two, strict=True):
+        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y]
+        axes.append(diff[0] if diff else None)
+    return tuple(axes)
+
+
+@functools.partial(jax.jit, static_argnames=("st", "axes"), donate_argnames=("state",))
+def refill_rows(
+    c: Ctx, state: State, rows_R, prompts_RxP, lengths_R, c_rows: Ctx, st: Static, axes
+):
+    """Prefill R new prompts (right-padded [R, P], lengths [R]) with `c_rows` (their sampling
+    settings and ends) and write them into slots `rows_R` of `state` (a row index B writes
+    nowhere: padding of the R bucket); then one drafter pass over the whole batch. Returns
+    (state, draft, host flags) as `host_start` does."""
+    rng, key = jax.random.split(state.rng)
+    new = prefill(c_rows, prompts_RxP, lengths_R, key, st)
+    big, tree = jax.tree.flatten(state)
+    small = tree.flatten_up_to(new)
+    out = []
+    for x, y, ax in zip(big, small, axes, strict=True):
+        if ax is None:
+            out.append(x)
+            continue
+        index = (slice(None),) * ax + (rows_R,)
+        out.append(x.at[index].set(y.astype(x.dtype), mode="drop"))
+    merged = jax.tree.unflatten(tree, out)._replace(rng=rng, r=state.r)
+    return draft_with_flags(c, merged, st)
+
+
+def _bucket(n: int, sizes: Sequence[int]) -> int:
+    return next(x for x in sizes if x >= n)
+
+
+class ContinuousBatcher:
+    """Decode a stream of `Request`s on `slots` batch slots with the speculative engine.
+
+    proposer / policy / verify: as the engine's `Static` (e.g. `DSparkProposer`, a fixed
+    width or `ScheduledLengths`, "ragged"; `PlainProposer` with policy 0 for plain
+    decoding). `submit` queues a request (refused with a clear error if it cannot fit:
+    prompt + max_new_tokens + the drafter's slack > the models' max_seq_len); `step` refills
+    free slots and runs one segment, returning the requests that finished; `run` decodes a
+    list to the end. `clock` (default `time.perf_counter`) stamps submissions and
+    completions; pass `submitted_s` to `submit` for an arrival time of an open-loop trace.
+    """
+
+    def __init__(
+        self,
+        target_params,
+        target_cfg: ModelConfig,
+        drafter_params,
+        proposer,
+        *,
+        slots: int,
+        policy: Any,
+        verify: str = "padded",
+        buckets: tuple[int, ...] = (),
+        compression=None,
+        rng: jax.Array | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        prompt_width_step: int = 16,
+    ):
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots={slots!r} must be an int >= 1")
+        if verify not in VERIFY_ENGINES:
+            raise ValueError(f"verify={verify!r} not in {VERIFY_ENGINES}")
+        if verify == "ragged" and not buckets:
+            buckets = packed_buckets(slots, proposer.block_size)
+        self.st = Static(target_cfg, proposer, 1, policy, verify, tuple(buckets), True)
+        self.target_cfg, self.slots, self.clock = target_cfg, slots, clock
+        self.seq_len = proposer.seq_len(target_cfg)
+        self.width_step = prompt_width_step
+        self._params = (nn.unbox(target_params), nn.unbox(drafter_params))
+        self._compression = None if compression is None else jnp.asarray(compression, jnp.int32)
+        self._rng = jax.random.key(0) if rng is None else rng
+        self._queue: collections.deque[tuple[Request, float]] = collections.deque()
+        self._slots: list[_Slot | None] = [None] * slots
+        self._end = np.zeros(slots, np.int32)  # end 0: a free slot is a finished row
+        self._knobs = {f: np.zeros(slots, np.float32) for f in ("temperature", "top_p", "min_p")}
+        self._knobs["top_p"][:] = 1.0
+        self._top_k = np.zeros(slots, np.int32)
+        self._state = self._draft = self._flags = None
+        self._axes: dict[int, tuple] = {}
+        self._plain_runs = 0
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: Request, submitted_s: float | None = None) -> None:
+        """Queue `request` (ValueError naming the lengths if it can never fit a slot)."""
+        prompt = np.asarray(request.prompt)
+        n, v = int(prompt.size), self.target_cfg.vocab_size
+        if prompt.ndim != 1 or n < 1 or prompt.dtype.kind not in "iu":
+            raise ValueError(f"request {request.request_id!r}: prompt must be >= 1 token ids")
+        if prompt.min() < 0 or prompt.max() >= v:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt ids must lie in [0, vocab_size={v}), "
+                f"got [{prompt.min()}, {prompt.max()}]"
+            )
+        m = request.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"request {request.request_id!r}: max_new_tokens={m!r} must be >= 1")
+        slack = self.st.proposer.slack
+        if n + m + slack > self.seq_len:
+            raise ValueError(
+                f"request {request.request_id!r} cannot fit a slot: prompt length {n} + "
+                f"max_new_tokens {m} + the drafter's slack {slack} = {n + m + slack} exceeds "
+                f"max_seq_len {self.seq_len}"
+            )
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            if np.ndim(getattr(request.sampling, name)) != 0:
+                raise ValueError(
+                    f"request {request.request_id!r}: sampling.{name} must be a scalar"
+                )
+        when = self.clock() if submitted_s is None else submitted_s
+        self._queue.append((request, when))
+
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> int:
+        return sum(s is not None for s in self._slots)
+
+    # ------------------------------------------------------------------ the loop
+    def _ctx(self, rows=None) -> Ctx:
+        k = self._knobs
+        sel = slice(None) if rows is None else rows
+        sampling = SamplingParams(
+            jnp.asarray(k["temperature"][sel]),
+            jnp.asarray(self._top_k[sel]),
+            jnp.asarray(k["top_p"][sel]),
+            jnp.asarray(k["min_p"][sel]),
+        )
+        return Ctx(*self._params, sampling, self._compression, jnp.asarray(self._end[sel]))
+
+    def _start(self) -> None:
+        """An empty batch: every slot a finished row."""
+        b = self.slots
+        prompts, lengths = jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32)
+        self._state, self._draft, self._flags = host_start(
+            self._ctx(), prompts, lengths, self._rng, self.st
+        )
+
+    def _refill(self) -> None:
+        free = [i for i, s in enumerate(self._slots) if s is None]
+        take = min(len(free), len(self._queue))
+        if not take:
+            return
+        rows, reqs = free[:take], [self._queue.popleft() for _ in range(take)]
+        r_bucket = _bucket(take, [2**i for i in range(self.slots.bit_length() + 1)])
+        width = max(len(r.prompt) for r, _ in reqs)
+        width = min(-(-width // self.width_step) * self.width_step, self.seq_len)
+        prompts = np.zeros((r_bucket, width), np.int32)
+        lengths = np.ones(r_bucket, np.int32)
+        index = np.full(r_bucket, self.slots, np.int32)  # padding rows write nowhere
+        now = self.clock()
+        for j, (row, (req, when)) in enumerate(zip(rows, reqs, strict=True)):
+            n = len(req.prompt)
+            prompts[j, :n], lengths[j], index[j] = req.prompt, n, row
+            self._end[row] = n + req.max_new_tokens
+            s = req.sampling
+            self._knobs["temperature"][row] = s.temperature
+            self._top_k[row] = s.top_k
+            self._knobs["top_p"][row], self._knobs["min_p"][row] = s.top_p, s.min_p
+            self._slots[row] = _Slot(req, when, now)
+        sel = np.minimum(index, self.slots - 1)
+        c_rows = self._ctx(sel)._replace(
+            end_B=jnp.asarray(np.where(index < self.slots, self._end[sel], 0))
+        )
+        if width not in self._axes:
+            self._axes[width] = batch_axes(self._ctx(), self.st, width)
+        self._state, self._draft, self._flags = refill_rows(
+            self._ctx(), self._state, jnp.asarray(index), jnp.asarray(prompts),
+            jnp.asarray(lengths), c_rows, self.st, self._axes[width],
+        )  # fmt: skip
+
+    def step(self) -> list[Completion]:
+        """Refill free slots from the queue, run one segment; the requests that finished."""
+        if self._state is None:
+            self._start()
+        self._refill()
+        program, more = (int(x) for x in jax.device_get(self._flags))
+        if not more:  # nothing to decode (or every new request is done at its prefill)
+            return self._collect()
+        c = self._ctx()
+        if program == 0:
+            n = min(2**self._plain_runs, MAX_PLAIN_ROUNDS)
+            self._plain_runs += 1
+            out = plain_segment(c, self._state, self._draft, self.st, jnp.int32(n))
+        else:
+            self._plain_runs = 0
+            out = host_segment(c, self._state, self._draft, self.st, program)
+        self._state, self._draft, self._flags = out
+        return self._collect()
+
+    def _collect(self) -> list[Completion]:
+        pos = np.asarray(jax.device_get(self._state.pos))
+        done = [
+            i for i, s in enumerate(self._slots) if s is not None and pos[i] + 1 >= self._end[i]
+        ]
+        if not done:
+            return []
+        now = self.clock()
+        history = np.asarray(jax.device_get(self._state.history[np.asarray(done)]))
+        tally = np.asarray(jax.device_get(self._state.tally[:, np.asarray(done)]))
+        out = []
+        for j, row in enumerate(done):
+            slot = self._slots[row]
+            n, m = len(slot.request.prompt), slot.request.max_new_tokens
+            out.append(
+                Completion(
+                    slot.request.request_id, history[j, n : n + m].copy(), int(tally[0, j]),
+                    int(tally[1, j]), int(tally[2, j]), slot.submitted_s, slot.started_s, now,
+                )
+            )  # fmt: skip
+            self._slots[row], self._end[row] = None, 0
+        return out
+
+    def run(self, requests: Iterable[Request]) -> list[Completion]:
+        """Submit every request now and decode until all are done (completion order)."""
+        for r in requests:
+            self.submit(r)
+        out: list[Completion] = []
+        while self._queue or self.busy:
+            out += self.step()
+        return out
