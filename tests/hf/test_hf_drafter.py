@@ -117,6 +117,6 @@ def test_a_drafter_of_the_imported_model_decodes_its_greedy_output(imported, tmp
     assert len({tuple(ids) for ids in want.values()}) == len(PROMPTS)  # not all one sequence
     # the drafter's tokens were proposed and verified: between 1 and block_size = 3 tokens per
     # round, strictly, so some drafts were accepted and some rejected (and corrected)
-    stat = re.search(r"drafter .*: (\d+\.\d+) tokens per round \(fixed\)", spec.stderr)
+    stat = re.search(r"drafter .*: (\d+\.\d+) tokens per round \(fixed, padded\)", spec.stderr)
     assert stat, spec.stderr
     assert 1.0 < float(stat.group(1)) < 3.0, spec.stderr

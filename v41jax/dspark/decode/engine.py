@@ -369,12 +369,13 @@ def load_or_measure_cost(
     rounds: int | None = None,
     passes: int = 3,
     verify: Verify = "padded",
+    sizes: tuple[int, ...] | None = None,
 ) -> CostTable | RaggedCost:
     """The round-cost table saved with the drafter run for this batch size, measured on first
     use (`loop_round_cost_b{B}.json`, or `ragged_round_cost_b{B}.json` for verify "ragged";
     delete it to re-measure on another machine). Measuring compiles and times a decode per
     width (packed size) and pass (`rounds`, `passes`: `measure_round_cost`); it says so on
-    stderr and shows `progress`."""
+    stderr and shows `progress`. `sizes`: the packed sizes to time (ragged)."""
     name = "ragged_round_cost" if verify == "ragged" else "loop_round_cost"
     path = os.path.join(drafter_workdir, f"{name}_b{batch_size}.json")
     if os.path.exists(path):
@@ -398,6 +399,7 @@ def load_or_measure_cost(
         compression=compression,
         progress=progress,
         verify=verify,
+        sizes=sizes,
     )
     cost.save(path)
     return cost

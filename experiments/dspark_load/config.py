@@ -1,0 +1,44 @@
+"""DSpark under load: the `dspark_deep` target (24 layers, d 384) and its main drafter
+(`dspark`: K = 5, 3 blocks, Markov rank 32, the hidden-state confidence head), decoded by
+continuous batching at rising concurrency.
+
+The target, its own text and the drafter are `experiments/dspark_deep`'s (its config, its
+training code, its runs dir by default: a finished run there is reused, a missing one is
+trained here with the same settings). `QUICK` shrinks everything for the slow smoke test.
+"""
+
+CONCURRENCY = (1, 4, 16, 64, 128, 256)  # closed loop: this many requests always in flight
+REQUESTS = {1: 6, 4: 12, 16: 32, 64: 96, 128: 192, 256: 384}  # per closed-loop run
+PROMPT_LEN = 32
+NEW_TOKENS = 48
+TEMPERATURE = 1.0
+PASSES = 2  # interleaved: every decoder once per pass at a concurrency, order alternating
+WARMUP = True  # one untimed run per decoder and concurrency first (it compiles)
+DECODERS = ("plain", "fixed_L1", "fixed_L2", "fixed_L3", "fixed_L4", "fixed_L5",
+            "scheduled_padded", "scheduled_ragged")  # fmt: skip
+# Open loop: Poisson arrivals into OPEN_SLOTS slots at these fractions of plain decoding's
+# closed-loop request rate at that concurrency, OPEN_REQUESTS requests each.
+OPEN_SLOTS = 64
+OPEN_RATES = (0.5, 0.9)
+OPEN_REQUESTS = 160
+# the round-cost tables (padded widths, ragged packed sizes) of every concurrency
+COST_ROUNDS = 4
+COST_PASSES = 2
+RAGGED_SIZES = 12  # packed sizes timed (all up to 8, then spread evenly in log over the rest)
+SEED = 0
+
+QUICK = dict(
+    CONCURRENCY=(1, 3),
+    REQUESTS={1: 2, 3: 4},
+    PROMPT_LEN=8,
+    NEW_TOKENS=6,
+    PASSES=1,
+    WARMUP=False,
+    DECODERS=("plain", "fixed_L2", "scheduled_padded", "scheduled_ragged"),
+    OPEN_SLOTS=3,
+    OPEN_RATES=(0.5,),
+    OPEN_REQUESTS=4,
+    COST_ROUNDS=1,
+    COST_PASSES=1,
+    RAGGED_SIZES=2,
+)

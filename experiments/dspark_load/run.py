@@ -1,0 +1,331 @@
+"""DSpark under load: continuous batching at rising concurrency, plain vs fixed lengths vs the
+scheduler on the padded and the ragged engine.
+
+    python experiments/dspark_load/run.py [--runs-dir D] [--out-dir R] [--stage all|train]
+                                          [--quick]
+
+1. Train what is missing (resumable): `experiments/dspark_deep`'s target, its own text and
+   its main drafter (`dspark`), in dspark_deep's runs dir by default, so either experiment
+   reuses the other's finished runs.
+2. Per concurrency c of config.CONCURRENCY: the round-cost tables at batch c (padded widths
+   0..K and ragged packed sizes; saved in the drafter's workdir), then closed-loop decoding:
+   c requests always in flight (a new one submitted as each finishes) through
+   `ContinuousBatcher(slots=c)`, config.REQUESTS[c] requests of config.NEW_TOKENS tokens at
+   config.TEMPERATURE, for every decoder of config.DECODERS. One untimed warm-up run per
+   decoder (it compiles), then config.PASSES timed passes, the decoders interleaved in an
+   order that alternates between passes.
+3. Open loop: Poisson arrivals into config.OPEN_SLOTS slots at config.OPEN_RATES times plain
+   decoding's closed-loop request rate there.
+Every finished part is kept in <out-dir>/stages.json (a rerun measures only what is missing);
+writes results/summary.json (`summary["load"]`: one row per decoder and concurrency, its
+fastest pass), results/tables.md and the PNGs (report.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEEP = os.path.join(os.path.dirname(HERE), "dspark_deep")
+from v41jax.sweep import experiment_module  # noqa: E402
+
+C = experiment_module(HERE, "config")
+D = experiment_module(DEEP, "config")
+report = experiment_module(HERE, "report")
+
+from v41jax.bench.common import machine_info  # noqa: E402
+from v41jax.data.corpus import split_speeches_by_year  # noqa: E402
+from v41jax.decode.batching import ContinuousBatcher, PlainProposer, Request  # noqa: E402
+from v41jax.decode.engine import packed_buckets  # noqa: E402
+from v41jax.decode.sampling import SamplingParams  # noqa: E402
+from v41jax.dspark.analysis.study import val_prompts  # noqa: E402
+from v41jax.dspark.decode.engine import admission_for, load_or_measure_cost  # noqa: E402
+from v41jax.dspark.decode.rounds import DSparkProposer, ScheduledLengths, ScheduledWidth  # noqa: E402
+from v41jax.dspark.model.drafter import frozen_target  # noqa: E402
+from v41jax.dspark.train.config import DrafterRunConfig, override_run_config  # noqa: E402
+from v41jax.dspark.train.load import load_drafter  # noqa: E402
+from v41jax.dspark.train.loop import train_drafters  # noqa: E402
+from v41jax.dspark.train.self_text import write_target_samples  # noqa: E402
+from v41jax.sweep import experiment_dirs  # noqa: E402
+from v41jax.train import load_run, train  # noqa: E402
+
+
+def _finished(result: dict) -> None:
+    if result.get("stopped"):  # it checkpointed; later stages build on it
+        sys.exit("stopped by a signal; rerun the same command to continue")
+
+
+def train_needed(runs_dir: str) -> dict:
+    """dspark_deep's target, its own text and its main drafter (trained if missing)."""
+    early, _ = split_speeches_by_year(os.path.join(runs_dir, "texts"), D.SPLIT_YEAR)
+    w = {"target": os.path.join(runs_dir, "target")}
+    _finished(train(D.target_config(early), w["target"]))
+    own = os.path.join(runs_dir, "texts", "target_samples")
+    write_target_samples(load_run(w["target"]), own, **D.SELF_TEXT)
+    w["drafter"] = os.path.join(runs_dir, "drafters", D.MAIN)
+    sets = D.DRAFTER_COMMON + D.DRAFTERS[D.MAIN]
+    sets += [f"train.steps={D.DRAFTER_STEPS}", f"train.data_paths={own}"]
+    cfg = override_run_config(DrafterRunConfig(), sets)
+    for result in train_drafters({w["drafter"]: cfg}, w["target"]).values():
+        _finished(result)
+    return w
+
+
+# ----------------------------------------------------------------------------- costs
+def ragged_sizes(b: int, k: int, n: int) -> tuple[int, ...]:
+    """The packed sizes timed at batch b: every bucket up to 8, then n of the others spread
+    evenly in log (the largest, B (1 + K), always); the scheduler interpolates between them."""
+    buckets = [x for x in packed_buckets(b, k) if x >= 2]
+    small, rest = [x for x in buckets if x <= 8], [x for x in buckets if x > 8]
+    if len(rest) > n:
+        rest = [rest[i] for i in np.unique(np.round(np.linspace(0, len(rest) - 1, n)).astype(int))]
+    return tuple(small + rest)
+
+
+def costs_at(w: dict, target, drafter, c: int) -> dict:
+    """{"padded": CostTable, "ragged": RaggedCost} at batch c (measured once, kept in the
+    drafter's workdir)."""
+    run_cfg, params, _ = drafter
+    dcfg, tp, tcfg = run_cfg.drafter, target.params, target.cfg.model
+    kw = dict(rounds=C.COST_ROUNDS, passes=C.COST_PASSES)
+    padded = load_or_measure_cost(w["drafter"], tp, tcfg, params, dcfg, c, **kw)
+    sizes = ragged_sizes(c, dcfg.block_size, C.RAGGED_SIZES)
+    ragged = load_or_measure_cost(
+        w["drafter"], tp, tcfg, params, dcfg, c, verify="ragged", sizes=sizes, **kw
+    )
+    return {"padded": padded, "ragged": ragged}
+
+
+# ----------------------------------------------------------------------------- decoding
+def make_batcher(name: str, slots: int, target, drafter, costs: dict) -> ContinuousBatcher:
+    tp, tcfg = target.params, target.cfg.model
+    common = dict(slots=slots, compression=target.compression.table, rng=jax.random.key(C.SEED))
+    if name == "plain":
+        return ContinuousBatcher(tp, tcfg, None, PlainProposer(tcfg.vocab_size), policy=0, **common)
+    run_cfg, params, _ = drafter
+    dcfg = run_cfg.drafter
+    proposer, dparams = DSparkProposer(dcfg, tcfg), (params, frozen_target(tp, tcfg))
+    verify, buckets = "padded", ()
+    if name.startswith("fixed_L"):
+        policy = int(name.removeprefix("fixed_L"))
+    elif name == "scheduled_padded":
+        policy = ScheduledWidth(costs["padded"], admission_for(dcfg))
+    elif name == "scheduled_ragged":
+        policy, verify = ScheduledLengths(costs["ragged"]), "ragged"
+        buckets = costs["ragged"].buckets
+    else:
+        raise ValueError(f"unknown decoder {name!r}; known: {C.DECODERS}")
+    return ContinuousBatcher(
+        tp, tcfg, dparams, proposer, policy=policy, verify=verify, buckets=buckets, **common
+    )
+
+
+def _requests(prompts: np.ndarray, n: int, first_id: int = 0) -> list[Request]:
+    sampling = SamplingParams(C.TEMPERATURE)
+    return [
+        Request(prompts[i % len(prompts)].tolist(), C.NEW_TOKENS, sampling, request_id=first_id + i)
+        for i in range(n)
+    ]
+
+
+def closed_loop(batcher: ContinuousBatcher, prompts, n: int, c: int) -> dict:
+    """n requests, c in flight: a new request is submitted as each one finishes."""
+    pending = iter(_requests(prompts, n))
+    start = time.perf_counter()
+    for _ in range(min(c, n)):
+        batcher.submit(next(pending))
+    done = []
+    while batcher.busy or batcher.waiting:
+        finished = batcher.step()
+        done += finished
+        for _ in finished:
+            if (r := next(pending, None)) is not None:
+                batcher.submit(r)
+    return measured(done, time.perf_counter() - start)
+
+
+def open_loop(batcher: ContinuousBatcher, prompts, n: int, rate: float, seed: int) -> dict:
+    """n requests arriving as a Poisson process of `rate` per second; latency from arrival."""
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n))
+    requests, i, done = _requests(prompts, n), 0, []
+    start = time.perf_counter()
+    while len(done) < n:
+        now = time.perf_counter() - start
+        while i < n and arrivals[i] <= now:
+            batcher.submit(requests[i], submitted_s=start + arrivals[i])
+            i += 1
+        if batcher.busy or batcher.waiting:
+            done += batcher.step()
+        elif i < n:
+            time.sleep(max(0.0, arrivals[i] - now))
+    return measured(done, max(x.finished_s for x in done) - start)
+
+
+def measured(done: list, wall_s: float) -> dict:
+    """One run's numbers: output tokens/s, per-request latency p50 / p99, mean verify length
+    (drafts verified per round a request took part in)."""
+    latency = np.asarray([x.latency_s for x in done])
+    tokens = sum(len(x.tokens) for x in done)
+    rounds = sum(x.rounds for x in done)
+    return {
+        "requests": len(done),
+        "tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s,
+        "p50_latency_s": float(np.percentile(latency, 50)),
+        "p99_latency_s": float(np.percentile(latency, 99)),
+        "mean_verify_len": sum(x.drafted for x in done) / max(rounds, 1),
+        "acceptance": sum(x.accepted for x in done) / max(sum(x.drafted for x in done), 1),
+    }
+
+
+class Stages:
+    """Finished parts in a JSON file (written atomically after each) beside the settings they
+    were measured under: a rerun with other settings starts afresh instead of mixing."""
+
+    def __init__(self, path: str, settings: dict):
+        self.path, self.key, self.parts = path, settings, {}
+        if os.path.exists(path):
+            with open(path) as f:
+                saved = json.load(f)
+            if saved.get("settings") == settings:
+                self.parts = saved["parts"]
+
+    def get(self, name: str, measure):
+        if name not in self.parts:
+            self.parts[name] = measure()
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"settings": self.key, "parts": self.parts}, f)
+            os.replace(tmp, self.path)
+        return self.parts[name]
+
+
+def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, dict]:
+    """(closed-loop rows of every pass, open-loop rows, cost tables by concurrency)."""
+    k = drafter[0].drafter.block_size
+    names = [n for n in C.DECODERS if not n.startswith("fixed_L") or int(n[7:]) <= k]
+    prompts = val_prompts(target, max(C.REQUESTS.values()), C.PROMPT_LEN)
+    rows, costs = [], {}
+    for c in C.CONCURRENCY:
+        cost = costs_at(w, target, drafter, c)
+        costs[c] = {"padded": cost["padded"].to_dict(), "ragged": cost["ragged"].to_dict()}
+        batchers = {}
+        for p in range(C.PASSES):
+            order = names if p % 2 == 0 else names[::-1]
+            for name in order:
+                key = f"closed/c{c}/pass{p}/{name}"
+                if key in stages.parts:
+                    rows.append(stages.parts[key])
+                    continue
+                if name not in batchers:
+                    batchers[name] = make_batcher(name, c, target, drafter, cost)
+                    if C.WARMUP:  # an untimed run: it compiles the decoder's programs
+                        closed_loop(batchers[name], prompts, C.REQUESTS[c], c)
+                res = {"decoder": name, "concurrency": c, "pass": p}
+                res |= closed_loop(batchers[name], prompts, C.REQUESTS[c], c)
+                print(f"  c={c} pass {p} {name}: {res['tokens_per_s']:.1f} tokens/s", flush=True)
+                rows.append(stages.get(key, lambda res=res: res))
+    plain = max(
+        (r for r in rows if r["decoder"] == "plain" and r["concurrency"] == C.OPEN_SLOTS),
+        key=lambda r: r["tokens_per_s"],
+    )
+    open_rows, cost = [], costs_at(w, target, drafter, C.OPEN_SLOTS)
+    for j, frac in enumerate(C.OPEN_RATES):
+        rate = frac * plain["tokens_per_s"] / C.NEW_TOKENS  # requests per second
+        for name in names:
+            key = f"open/{frac}/{name}"
+
+            def measure(name=name, rate=rate, frac=frac, j=j):
+                b = make_batcher(name, C.OPEN_SLOTS, target, drafter, cost)
+                if C.WARMUP:
+                    closed_loop(b, prompts, C.OPEN_SLOTS, C.OPEN_SLOTS)
+                res = open_loop(b, prompts, C.OPEN_REQUESTS, rate, C.SEED + j)
+                return {"decoder": name, "rate_fraction": frac, "rate_per_s": rate} | res
+
+            open_rows.append(stages.get(key, measure))
+    return rows, open_rows, costs
+
+
+def best_passes(rows: list[dict]) -> list[dict]:
+    """summary["load"]: per decoder and concurrency its fastest pass, with speedup_vs_plain
+    against plain's fastest pass at that concurrency."""
+    best = {}
+    for r in rows:
+        key = (r["decoder"], r["concurrency"])
+        if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
+            best[key] = r
+    out = []
+    for (name, c), r in best.items():
+        plain = best[("plain", c)]["tokens_per_s"]
+        fields = ("tokens_per_s", "p50_latency_s", "p99_latency_s", "mean_verify_len")
+        out.append({"decoder": name, "concurrency": c, **{f: r[f] for f in fields},
+                    "speedup_vs_plain": r["tokens_per_s"] / plain,
+                    "acceptance": r["acceptance"]})  # fmt: skip
+    return sorted(out, key=lambda r: (r["concurrency"], C.DECODERS.index(r["decoder"])))
+
+
+def settings() -> dict:
+    """This experiment's settings and dspark_deep's that define the models."""
+    mine = {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"}
+    deep = {n: getattr(D, n) for n in ("TARGET", "TARGET_STEPS", "SELF_TEXT", "DRAFTER_STEPS")}
+    return json.loads(json.dumps({**mine, "dspark_deep": deep}, default=str))
+
+
+def commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
+                         text=True, check=False)  # fmt: skip
+    return out.stdout.strip() or "unknown"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs-dir", help="the models: default dspark_deep's (runs/dspark_deep)")
+    p.add_argument("--out-dir", help="default results/ here (--quick: runs/dspark_load_quick)")
+    p.add_argument("--stage", choices=("all", "train"), default="all")
+    p.add_argument("--quick", action="store_true", help="a miniature of everything (tests)")
+    args = p.parse_args(argv)
+    setting = "quick" if args.quick else "full"
+    if args.quick:
+        for name, value in C.QUICK.items():
+            setattr(C, name, value)
+        for name, value in D.QUICK.items():
+            setattr(D, name, value)
+    runs_dir = args.runs_dir or experiment_dirs(DEEP, setting)[0]
+    out_dir = args.out_dir or experiment_dirs(HERE, setting)[1]
+    w = train_needed(runs_dir)
+    if args.stage == "train":
+        return 0
+    os.makedirs(out_dir, exist_ok=True)
+    target, drafter = load_run(w["target"]), load_drafter(w["drafter"])
+    stages = Stages(os.path.join(out_dir, "stages.json"), settings())
+    rows, open_rows, costs = load_study(w, target, drafter, stages)
+    summary = {
+        "setting": setting,
+        "machine": machine_info(),
+        "commit": commit(),
+        "settings": settings(),
+        "drafter": {"block_size": drafter[0].drafter.block_size, "workdir": w["drafter"]},
+        "load": best_passes(rows),
+        "passes": rows,
+        "open_loop": open_rows,
+        "costs": {str(c): v for c, v in costs.items()},
+    }
+    tmp = os.path.join(out_dir, "summary.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, "summary.json"))
+    print(report.write_report(summary, out_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

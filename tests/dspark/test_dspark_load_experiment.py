@@ -1,0 +1,113 @@
+"""experiments/dspark_load: the report's targets, findings and tables from a summary, the
+pieces of run.py that turn passes into the `summary["load"]` rows, and (slow) the quick
+setting end to end: every decoder at every concurrency, both engines' cost tables, the open
+loop, the plots."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXP = os.path.join(ROOT, "experiments", "dspark_load")
+DECODERS = ["plain", "fixed_L1", "fixed_L2", "fixed_L3", "fixed_L4", "fixed_L5",
+            "scheduled_padded", "scheduled_ragged"]  # fmt: skip
+ROW_KEYS = {"decoder", "concurrency", "tokens_per_s", "speedup_vs_plain", "p50_latency_s",
+            "p99_latency_s", "mean_verify_len"}  # fmt: skip
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(f"dspark_load_{name}", f"{EXP}/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _summary(speed):
+    """A summary whose load rows have tokens/s = speed[decoder][i] at concurrency (1, 64)."""
+    rows = []
+    for name, per in speed.items():
+        for c, tps in zip((1, 64), per, strict=True):
+            verify = 0.0 if name == "plain" else 2.5
+            rows.append({"decoder": name, "concurrency": c, "tokens_per_s": tps,
+                         "speedup_vs_plain": tps / speed["plain"][(1, 64).index(c)],
+                         "p50_latency_s": 1.0, "p99_latency_s": 2.0,
+                         "mean_verify_len": verify, "acceptance": 0.6})  # fmt: skip
+    table = {"tokens": [2, 8], "seconds": [0.01, 0.02]}
+    return {
+        "setting": "full", "machine": {"cpu": "test cpu"}, "commit": "abc1234",
+        "drafter": {"block_size": 5}, "load": rows, "open_loop": [],
+        "costs": {c: {"padded": {"tokens": [c, 6 * c], "seconds": [0.02, 0.05]},
+                      "ragged": {"rounds": table, "buckets": [1, 2, 8], "plain_seconds": 0.02}}
+                  for c in ("1", "64")},
+    }  # fmt: skip
+
+
+def test_targets_and_findings_read_the_rows():
+    report = _module("report")
+    speed = {"plain": [40, 200], "fixed_L5": [80, 150], "fixed_L2": [70, 210],
+             "scheduled_ragged": [76, 231]}  # fmt: skip
+    got = {t["target"]: t for t in report.targets(_summary(speed))}
+    assert len(got) == 3 and all(t["met"] for t in got.values())
+    worse = report.targets(_summary({**speed, "scheduled_ragged": [60, 215]}))
+    assert [t["met"] for t in worse] == [True, False, False]  # 1.5x at c=1; 1.024x L2 at 64
+    assert worse[0]["measured"] == "worst 1.075x at concurrency 64"
+    assert worse[2]["measured"] == "1.024x fixed_L2"
+    found = report.findings(_summary(speed))
+    assert found[0] == "fixed L = 5 falls below plain at concurrency 64"
+    text = report.render_tables(_summary(speed))
+    assert "## Targets" in text and "231.0 (1.16x)" in text and "test cpu" in text
+
+
+def test_best_passes_keep_each_decoders_fastest_pass_and_price_it_against_plains():
+    run = _module("run")
+    passes = [
+        {"decoder": "plain", "concurrency": 4, "tokens_per_s": 10.0, "p50_latency_s": 1.0,
+         "p99_latency_s": 2.0, "mean_verify_len": 0.0, "acceptance": 0.0},
+        {"decoder": "plain", "concurrency": 4, "tokens_per_s": 12.0, "p50_latency_s": 0.9,
+         "p99_latency_s": 1.5, "mean_verify_len": 0.0, "acceptance": 0.0},
+        {"decoder": "fixed_L2", "concurrency": 4, "tokens_per_s": 18.0, "p50_latency_s": 0.5,
+         "p99_latency_s": 0.7, "mean_verify_len": 2.0, "acceptance": 0.7},
+    ]  # fmt: skip
+    rows = run.best_passes(passes)
+    assert [r["decoder"] for r in rows] == ["plain", "fixed_L2"]
+    assert rows[0]["tokens_per_s"] == 12.0 and rows[1]["speedup_vs_plain"] == 1.5
+    assert all(ROW_KEYS <= set(r) for r in rows)
+
+
+def test_ragged_sizes_keep_small_buckets_and_the_largest():
+    run = _module("run")
+    sizes = run.ragged_sizes(256, 5, 12)
+    assert sizes[:7] == (2, 3, 4, 5, 6, 7, 8) and sizes[-1] == 256 * 6 and len(sizes) == 19
+    assert run.ragged_sizes(1, 5, 12) == (2, 3, 4, 5, 6)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_dspark_load_experiment_miniature(tmp_path):
+    out = tmp_path / "results"
+    script = os.path.join(EXP, "run.py")
+    cmd = [sys.executable, script, "--quick", "--runs-dir", str(tmp_path / "runs")]
+    subprocess.run(cmd + ["--out-dir", str(out)], check=True, cwd=ROOT, timeout=2400)
+    summary = json.loads((out / "summary.json").read_text())
+    decoders = summary["settings"]["DECODERS"]
+    assert {(r["decoder"], r["concurrency"]) for r in summary["load"]} == {
+        (d, c) for d in decoders for c in (1, 3)
+    }
+    for r in summary["load"]:
+        assert ROW_KEYS <= set(r) and r["tokens_per_s"] > 0
+        assert r["p99_latency_s"] >= r["p50_latency_s"] > 0
+        if r["decoder"] == "plain":
+            assert r["speedup_vs_plain"] == 1.0 and r["mean_verify_len"] == 0
+    assert {r["decoder"] for r in summary["open_loop"]} == set(decoders)
+    assert set(summary["costs"]) == {"1", "3"} and summary["machine"] and summary["commit"]
+    assert "## Targets" in (out / "tables.md").read_text()
+    for png in ("throughput.png", "speedup.png"):
+        assert (out / png).stat().st_size > 0
+    # a rerun measures nothing new: every part is in stages.json
+    again = subprocess.run(cmd + ["--out-dir", str(out)], cwd=ROOT, timeout=600,
+                           capture_output=True, text=True)  # fmt: skip
+    assert again.returncode == 0 and "pass 0" not in again.stdout
