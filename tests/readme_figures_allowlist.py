@@ -12,6 +12,12 @@ _DSPARK_6071D72 = "git show 6071d72:experiments/dspark/results/summary.json"
 _DSPARK_8900504 = "git show 8900504:experiments/dspark/results/summary.json"
 
 ALLOWED: dict[str, dict[str, str]] = {
+    "dspark_load": {
+        "1.7": "experiments/dspark_deep/results/summary.json: cost_units.dspark.32.round[5], "
+        "a round verifying K = 5 drafts in plain rounds (1.72)",
+        "0.5": "config value: OPEN_RATES",
+        "0.9": "config value: OPEN_RATES",
+    },
     "benchmarks": {
         "7.8": "extrapolation: the 5e8 FFN row's 7,596 us/token x 4 x 256 tokens (engram.json)",
         "1.97": "ratio: HostTable 2 threads / 1 thread, 2.498 / 1.267 GB/s (engram.json)",
