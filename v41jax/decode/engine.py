@@ -250,10 +250,7 @@ def extend_packed(
     tokens_1xN = history_BxS[row_N, packed.slot_N][None]
     extras = {}
     if cfg.engram.enabled:
-        m = cfg.engram.max_ngram_size
-        pos_NxM = packed.slot_N[:, None] - (m - 1) + jnp.arange(m, dtype=jnp.int32)
-        got = compression[history_BxS[row_N[:, None], jnp.maximum(pos_NxM, 0)]]
-        window_NxM = jnp.where(pos_NxM >= 0, got, cfg.engram.pad_id).astype(jnp.int32)
+        window_NxM = window_ending_at(cfg, compression[history_BxS], packed.slot_N, row_N)
         extras = {
             engram_ids_key(layer): ngram_hash_ids_step(window_NxM, layer, cfg.engram)[None]
             for layer in cfg.engram.layer_ids
@@ -363,12 +360,17 @@ def draft_step(c: Ctx, state: State, st: Static) -> tuple[State, Draft]:
     return state._replace(drafter_state=dstate), Draft(rng, k_verify, proposal, lens, width)
 
 
+def bucket_ceil(tokens, buckets: tuple[int, ...]):
+    """The smallest bucket >= tokens (numpy or jnp ints; tokens <= the largest bucket)."""
+    xp = jnp if isinstance(tokens, jax.Array) else np
+    table = xp.asarray(buckets)
+    return table[xp.minimum(xp.searchsorted(table, tokens, side="left"), len(buckets) - 1)]
+
+
 def ragged_program(counts_B, lens_B, active_B, buckets: tuple[int, ...]) -> jax.Array:
     """The ragged round's program, int32 []: the smallest bucket >= sum(counts), or 0 (a
     plain round) when no active row verifies a draft."""
-    table = jnp.asarray(buckets, jnp.int32)
-    total = jnp.sum(counts_B)
-    size = table[jnp.minimum(jnp.searchsorted(table, total, side="left"), len(buckets) - 1)]
+    size = bucket_ceil(jnp.sum(counts_B), buckets)
     drafting = jnp.any(active_B & (lens_B > 0))
     return jnp.where(drafting, size, 0).astype(jnp.int32)
 

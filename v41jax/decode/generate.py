@@ -45,11 +45,17 @@ def _engram_extras_full(cfg: ModelConfig, compressed_BxT: jax.Array) -> dict[str
     }
 
 
-def window_ending_at(cfg: ModelConfig, compressed_BxP: jax.Array, last_B: jax.Array):
-    """[B, N] compressed ids at positions last-N+1 .. last (pad_id where < 0)."""
+def window_ending_at(
+    cfg: ModelConfig, compressed_BxP: jax.Array, last_B: jax.Array, rows_B: jax.Array | None = None
+):
+    """[B, N] compressed ids at positions last-N+1 .. last (pad_id where < 0), of row b, or
+    of row rows_B[b] when given (packed tokens: last and rows are per token)."""
     n = cfg.engram.max_ngram_size
     pos_BxN = last_B[:, None] - (n - 1) + jnp.arange(n, dtype=jnp.int32)
-    got_BxN = jnp.take_along_axis(compressed_BxP, jnp.maximum(pos_BxN, 0), axis=1)
+    if rows_B is None:
+        got_BxN = jnp.take_along_axis(compressed_BxP, jnp.maximum(pos_BxN, 0), axis=1)
+    else:
+        got_BxN = compressed_BxP[rows_B[:, None], jnp.maximum(pos_BxN, 0)]
     return jnp.where(pos_BxN >= 0, got_BxN, cfg.engram.pad_id).astype(jnp.int32)
 
 

@@ -43,6 +43,7 @@ from v41jax.decode.engine import (
     Ctx,
     Static,
     Verify,
+    bucket_ceil,
     check_prompt_batch,
     draft_step,
     packed_buckets,
@@ -305,7 +306,7 @@ def measure_round_cost(
             lens = ragged_lengths(point, b, k)
             ctx = c._replace(end_B=jnp.where(jnp.asarray(lens) > 0, c.end_B, lengths))
             policy = FixedLengths(tuple(max(x, 0) for x in lens))
-            program = min(x for x in buckets if x >= point)
+            program = int(bucket_ceil(point, buckets))
         st = Static(target_cfg, proposer, n_new, policy, verify, buckets)
         state, d, _ = jax.block_until_ready(
             host_start(ctx, prompts, lengths, jax.random.key(p), st)

@@ -89,6 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from v41jax.decode.engine import bucket_ceil
 from v41jax.dspark.decode.admission import ADMISSIONS, Admission, first_width, width_choice
 
 Basis = Literal["total", "padded", "width"]
@@ -279,13 +280,6 @@ def check_buckets(buckets, b: int, k: int) -> tuple[int, ...] | None:
             "tokens, a round where every row verifies all its drafts"
         )
     return tuple(int(x) for x in got)
-
-
-def bucket_ceil(tokens, buckets: tuple[int, ...]):
-    """The smallest bucket >= tokens (numpy or jnp ints; tokens <= the largest bucket)."""
-    xp = jnp if isinstance(tokens, jax.Array) else np
-    table = xp.asarray(buckets)
-    return table[xp.minimum(xp.searchsorted(table, tokens, side="left"), len(buckets) - 1)]
 
 
 def _token_costs(cost: CostTable, b: int, k: int, buckets) -> np.ndarray:
