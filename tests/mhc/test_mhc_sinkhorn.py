@@ -1,4 +1,6 @@
-"""Sinkhorn-Knopp: doubly stochastic output, numpy parity, recompute-VJP == unrolled autodiff."""
+"""Sinkhorn-Knopp, the plain iteration (newton_steps=0): doubly stochastic output, numpy
+parity, recompute-VJP == unrolled autodiff. The Newton polish (the default) is tested in
+test_sinkhorn_convergence.py."""
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +34,7 @@ def _logits(shape, scale=1.0, seed=0, dtype=jnp.float32):
 
 @pytest.mark.parametrize("variant", ["paper", "v4"])
 def test_doubly_stochastic(variant):
-    m = sinkhorn_knopp(_logits((512, 4, 4)), 20, variant)
+    m = sinkhorn_knopp(_logits((512, 4, 4)), 20, variant, 0)
     assert m.dtype == jnp.float32 and m.shape == (512, 4, 4)
     assert float(m.min()) >= 0.0
     # 20 iterations on N(0, 1) logits converge to ~3e-4 in the worst of 512 matrices; the
@@ -48,14 +50,14 @@ def test_matches_numpy(variant, num_iters):
     logits = _logits((3, 5, 4, 4), scale=2.0, seed=1)
     want = sinkhorn_numpy(np.asarray(logits), num_iters, variant)
     for fn in (sinkhorn_knopp, sinkhorn_knopp_unrolled):
-        np.testing.assert_allclose(fn(logits, num_iters, variant), want, rtol=2e-5, atol=1e-6)
+        np.testing.assert_allclose(fn(logits, num_iters, variant, 0), want, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["paper", "v4"])
 def test_batch_dims_and_jit(variant):
     logits = _logits((2, 3, 6, 6), seed=2)
-    full = jax.jit(sinkhorn_knopp, static_argnums=(1, 2))(logits, 20, variant)
-    one = sinkhorn_knopp(logits[1, 2], 20, variant)
+    full = jax.jit(sinkhorn_knopp, static_argnums=(1, 2, 3))(logits, 20, variant, 0)
+    one = sinkhorn_knopp(logits[1, 2], 20, variant, 0)
     np.testing.assert_allclose(full[1, 2], one, rtol=1e-6, atol=1e-7)
 
 
@@ -66,7 +68,7 @@ def test_custom_vjp_equals_unrolled_autodiff(variant, dtype):
     g = jax.random.normal(jax.random.PRNGKey(4), (4, 3, 4, 4))
 
     def loss(fn):
-        return lambda z: jnp.sum(fn(z, 20, variant) * g)
+        return lambda z: jnp.sum(fn(z, 20, variant, 0) * g)
 
     got = jax.jit(jax.grad(loss(sinkhorn_knopp)))(logits)
     want = jax.grad(loss(sinkhorn_knopp_unrolled))(logits)  # eager: XLA compiles unrolled slowly
@@ -82,7 +84,7 @@ def test_gradient_matches_finite_differences():
     # Independent of both implementations' autodiff: float32 central differences.
     logits = _logits((4, 4), seed=5)
     g = jax.random.normal(jax.random.PRNGKey(6), (4, 4))
-    f = jax.jit(lambda z: jnp.sum(sinkhorn_knopp(z, 20) * g))
+    f = jax.jit(lambda z: jnp.sum(sinkhorn_knopp(z, 20, "paper", 0) * g))
     grad = np.asarray(jax.grad(f)(logits))
     h, e = 1e-2, np.zeros((4, 4), np.float32)
     e[1, 2] = h
@@ -109,3 +111,5 @@ def test_bad_inputs_raise():
         sinkhorn_knopp(jnp.zeros((4, 4)), variant="bogus")
     with pytest.raises(ValueError, match="num_iters=0"):
         sinkhorn_knopp(jnp.zeros((4, 4)), num_iters=0)
+    with pytest.raises(ValueError, match="newton_steps=-1"):
+        sinkhorn_knopp(jnp.zeros((4, 4)), newton_steps=-1)

@@ -24,7 +24,8 @@ MOE = [
     "model.moe.d_expert=48",
     "model.moe.capacity_factor=1.0",  # some slots dropped: moe_dropped_fraction > 0
 ]
-MHC = ["model.mhc.n_streams=4"]
+# recorded before the Sinkhorn polish existed: the plain iteration keeps those numbers
+MHC = ["model.mhc.n_streams=4", "model.mhc.sinkhorn_newton_steps=0"]
 ENGRAM = [
     "model.engram.layer_ids=0",
     "model.engram.engram_vocab_size=1000,1000",

@@ -154,7 +154,9 @@ def mhc_coefficients(
     res_BxTxNxN = tilde_BxTxK[..., 2 * n :].reshape(*tilde_BxTxK.shape[:-1], n, n)
     if cfg.residual == "hc":
         return pre, post, res_BxTxNxN
-    h_res = sinkhorn_knopp(res_BxTxNxN, cfg.sinkhorn_iters, cfg.sinkhorn_variant)
+    h_res = sinkhorn_knopp(
+        res_BxTxNxN, cfg.sinkhorn_iters, cfg.sinkhorn_variant, cfg.sinkhorn_newton_steps
+    )
     return jax.nn.sigmoid(pre), 2.0 * jax.nn.sigmoid(post), h_res
 
 

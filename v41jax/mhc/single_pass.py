@@ -98,7 +98,7 @@ def coefficients_from_stats(
     res = (alpha[2] * z[..., 2 * n :] + bias[2 * n :]).reshape(*z.shape[:-1], n, n)
     if cfg.residual == "hc":
         return pre, post, res
-    res = sinkhorn_knopp(res, cfg.sinkhorn_iters, cfg.sinkhorn_variant)
+    res = sinkhorn_knopp(res, cfg.sinkhorn_iters, cfg.sinkhorn_variant, cfg.sinkhorn_newton_steps)
     return jax.nn.sigmoid(pre), 2.0 * jax.nn.sigmoid(post), res
 
 

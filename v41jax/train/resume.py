@@ -140,6 +140,7 @@ ADDED_FIELDS = {
     "optim.param_groups.*.rule": "adamw",
     "optim.param_groups.*.momentum": 0.95,
     "optim.recipe": "adamw",
+    "model.mhc.sinkhorn_newton_steps": 0,  # the value saved configs without it load with
 }
 
 
@@ -165,6 +166,8 @@ def run_identity(cfg: Config) -> str:
     tree = config_lib.to_dict(cfg)
     for key, default in ADDED_FIELDS.items():  # absent from older runs' hashes
         _drop_at_default(tree, key.split("."), default)
+    if not cfg.model.mhc.n_streams:  # no mHC: its Sinkhorn polish defines nothing
+        tree["model"]["mhc"].pop("sinkhorn_newton_steps", None)
     for key in (*RESUMABLE_FIELDS, "generate", "mesh"):
         *sections, leaf = key.split(".")
         node = tree
