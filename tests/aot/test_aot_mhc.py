@@ -7,7 +7,8 @@ now reads X in [bt, n, C] blocks of its own array (``_tpu_whole_c_kernel``). Ass
 compile, 8192 tokens sharded over the 8 chips of v5e:2x4 (1024 per chip): the Mosaic call is
 in the compiled program, and the scoped VMEM Mosaic reserved for it is within the kernel's
 own model (``plan.tpu_vmem_bytes``) and the limit the kernel asks for. Gradients go through
-the custom VJP (its backward is the XLA form), with the kernel in the forward. A shape the
+the custom VJP, whose backward is the fused backward kernel (``backward.py``): compiled for
+v5e at C = 1000 (one tile) and 7168 (14 C tiles), and for H100 at C = 7168. A shape the
 kernel cannot take is refused by ``make_plan`` before anything is lowered. For H100 (one host
 of 8) the Triton kernel compiles at C = 1024 and refuses C = 1000 by name.
 """
@@ -19,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from v41jax.kernels import aot
 from v41jax.kernels.mhc_single_pass import mhc_single_pass
+from v41jax.kernels.mhc_single_pass.backward import make_backward_plan, tpu_backward_vmem_bytes
 from v41jax.kernels.mhc_single_pass.plan import TPU_VMEM_HARD_LIMIT, make_plan, tpu_vmem_bytes
 
 S = jax.ShapeDtypeStruct
@@ -63,8 +65,9 @@ def _value_and_grad(mesh):
         return sum(f(v) for v in step(*a))
 
     # value_and_grad: with grad alone the forward's outputs are dead (the backward
-    # recomputes the XLA form) and the kernel would be pruned.
-    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    # recomputes X_{l+1}) and the forward kernel would be pruned. phi and the norm scale
+    # too: their gradients are the kernel's reductions over tokens.
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5, 6))
 
 
 def _check_vmem(record, c, dtype):
@@ -100,12 +103,36 @@ def test_forward_compiles_for_v5e(tpu_v5e, c, dtype):
     assert (plan.block_c == c) == (c % 128 != 0)
 
 
-@pytest.mark.parametrize("dtype", ["bf16"])
-def test_value_and_gradient_compile_for_v5e_at_the_odd_width(tpu_v5e, dtype):
+@pytest.mark.parametrize("c,dtype", [(1000, "bf16"), (7168, "bf16")])
+def test_value_and_fused_backward_compile_for_v5e(tpu_v5e, c, dtype):
+    """Two Mosaic kernels, the forward and the fused backward; each one's VMEM reservation
+    within its own model and the limit it asks for."""
     mesh = aot.topology_mesh(tpu_v5e)
     fn = _value_and_grad(mesh)
-    _, record = aot.compile_for(fn, _args(1000, DTYPES[dtype]), mesh, in_specs=SPECS)
-    _check_vmem(record, 1000, DTYPES[dtype])
+    _, record = aot.compile_for(fn, _args(c, DTYPES[dtype]), mesh, in_specs=SPECS)
+    assert aot.MOSAIC_CUSTOM_CALL in record.custom_calls
+    assert len(record.scoped_vmem_bytes) == 2, record.scoped_vmem_bytes
+    item = jnp.dtype(DTYPES[dtype]).itemsize
+    fwd = make_plan("tpu", num=TOKENS // CHIPS, n=N, c=c, k=K, x_item=item, out_item=item,
+                    with_norm=True, norm_eps=1e-6, out_dtype=DTYPES[dtype])  # fmt: skip
+    bwd = make_backward_plan("tpu", num=TOKENS // CHIPS, n=N, c=c, k=K, x_item=item,
+                             h_item=item, with_norm=True, norm_eps=1e-6)  # fmt: skip
+    bwd_model = tpu_backward_vmem_bytes(bwd.block_tokens, N, c, bwd.k_pad, item, item, True, True)
+    # which record is which kernel is not named: each fits one of the two limits, and the
+    # larger reservation is within the larger model
+    used = sorted(record.scoped_vmem_bytes)
+    limits = sorted([fwd.vmem_limit_bytes, bwd.vmem_limit_bytes])
+    assert all(0 < u <= lim <= TPU_VMEM_HARD_LIMIT for u, lim in zip(used, limits, strict=True))
+    fwd_model = tpu_vmem_bytes(fwd.block_tokens, fwd.block_c, N, c, K, item, item, True, True)
+    assert used[1] <= max(fwd_model, bwd_model), (used, fwd_model, bwd_model)
+
+
+def test_value_and_fused_backward_compile_for_h100_at_7168(cuda_h100):
+    """The Triton forward and backward (its C loop a fori_loop, dphi by atomic adds)."""
+    mesh = aot.topology_mesh(cuda_h100)
+    fn = _value_and_grad(mesh)
+    _, record = aot.compile_for(fn, _args(7168, jnp.bfloat16), mesh, in_specs=SPECS)
+    assert GPU_CALL in record.custom_calls
 
 
 def test_a_width_whose_phi_overflows_vmem_is_refused_before_mosaic(tpu_v5e):

@@ -17,9 +17,10 @@ Implementations (``impl``):
   "auto"       "pallas" when lowered for TPU or CUDA and that kernel takes the shapes,
                else "xla" (CPU, other platforms); ``interpret`` is ignored.
 Gradients: "xla" and "reference" by autodiff; "pallas" and "auto" by a ``jax.custom_vjp``
-whose backward recomputes the "xla" forward and takes its VJP (the pass is memory bound, so
-the recompute costs one more read of the inputs, and nothing but the inputs is saved; on
-CPU "auto" thus recomputes the XLA forward instead of keeping its residuals).
+that saves only the inputs and runs the fused backward kernel (``backward.py``: one pass,
+X_{l+1} recomputed from X and y, the phi / norm-scale gradients reduced over tokens inside
+it) on the platform the program is lowered for; where that kernel cannot take the shape
+(and on CPU under "auto") the backward recomputes the "xla" forward and takes its VJP.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from v41jax.kernels.mhc_single_pass import backward as fused_backward
 from v41jax.kernels.mhc_single_pass import kernel as _kernel
 from v41jax.kernels.mhc_single_pass.dispatch import platform_call
 from v41jax.kernels.mhc_single_pass.plan import TARGETS, Plan, make_plan
@@ -106,29 +108,101 @@ def _pallas_forward(plan: Plan, x, y, h_res, h_post, a_pre, phi, norm_scale):
     return x_new, h_next, outs[2][:num, :k].reshape(*lead, k), outs[3][:num, 0].reshape(lead)
 
 
+def _pallas_backward(bplan: fused_backward.BackwardPlan, args, cot):
+    """The fused backward kernel on flattened operands -> the inputs' cotangents."""
+    x, y, h_res, h_post, a_pre, phi, norm_scale = args
+    d_xn, d_h, d_proj, d_sumsq = cot
+    *lead, n, c = x.shape
+    num = max(1, int(y.size) // c)
+    padded = num
+    if bplan.target == "gpu":  # whole token blocks; zero cotangent rows add nothing
+        padded = -(-num // bplan.block_tokens) * bplan.block_tokens
+    pad = lambda a: (
+        a if padded == num else jnp.pad(a, [(0, padded - num)] + [(0, 0)] * (a.ndim - 1))
+    )
+    flat = lambda a, *tail, dt=None: pad(a.reshape(num, *tail).astype(dt or a.dtype))
+    phi3 = dproj = dss = None
+    if phi is not None:
+        k = phi.shape[-1]
+        # [nC, K] -> [n, Kp, C]: K on sublanes (TPU) / the dot's inner dim (GPU), zero-padded
+        phi3 = phi.astype(jnp.float32).reshape(n, c, k).transpose(0, 2, 1)
+        phi3 = jnp.pad(phi3, [(0, 0), (0, bplan.k_pad - k), (0, 0)])
+        dproj = jnp.pad(flat(d_proj, k, dt=jnp.float32), [(0, 0), (0, bplan.k_pad - k)])
+        dss = flat(d_sumsq, 1, dt=jnp.float32)
+    outs = fused_backward.single_pass_backward_pallas(
+        bplan,
+        flat(x, n, c),
+        flat(y, c),
+        flat(h_res, n * n, dt=jnp.float32),
+        flat(h_post, n, dt=jnp.float32),
+        flat(a_pre, n, dt=jnp.float32),
+        None if norm_scale is None else norm_scale.astype(jnp.float32).reshape(1, c),
+        phi3,
+        flat(d_xn, n, c, dt=x.dtype),
+        flat(d_h, c),
+        dproj,
+        dss,
+    )
+    dx, dy, d_res, d_post, d_pre = (o[:num] for o in outs[:5])
+    rest = list(outs[5:])
+    d_scale = rest.pop(0).reshape(c).astype(norm_scale.dtype) if norm_scale is not None else None
+    d_phi = None
+    if phi is not None:
+        d_phi = rest.pop(0)[:, : phi.shape[-1], :].transpose(0, 2, 1).reshape(n * c, -1)
+        d_phi = d_phi.astype(phi.dtype)
+    return (
+        dx.reshape(x.shape),
+        dy.reshape(y.shape),
+        d_res.reshape(h_res.shape).astype(h_res.dtype),
+        d_post.reshape(h_post.shape).astype(h_post.dtype),
+        d_pre.reshape(a_pre.shape).astype(a_pre.dtype),
+        d_phi,
+        d_scale,
+    )
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Dispatch:
-    """The compiled step: one rule per lowering platform (see ``dispatch.py``)."""
+    """The compiled step: one rule per lowering platform (see ``dispatch.py``), forward and
+    backward."""
 
     norm_eps: float
     out_dtype: Any
     per_platform: dict
     default: Any
+    per_platform_bwd: dict
+    default_bwd: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interpreted:
+    """The kernels in the Pallas interpreter (any platform, no dispatch)."""
+
+    plan: Plan
+    bplan: fused_backward.BackwardPlan
 
 
 def _forward(spec, *args):
-    if isinstance(spec, Plan):
-        return _pallas_forward(spec, *args)
+    if isinstance(spec, _Interpreted):
+        return _pallas_forward(spec.plan, *args)
     return platform_call(spec.per_platform, spec.default, _xla_of(spec), *args)
 
 
-# Backward of both the interpreted kernel and the dispatched step: the VJP of the "xla"
-# form, recomputed from the inputs (the only residuals).
+def _xla_vjp(spec, args, cot):
+    xla = lambda *a: _step_xla(*a, norm_eps=spec.norm_eps, out_dtype=spec.out_dtype)
+    return jax.vjp(xla, *args)[1](cot)
+
+
+def _backward(spec, args, cot):
+    """Residuals: the inputs only (X_{l+1} is recomputed inside the backward)."""
+    if isinstance(spec, _Interpreted):
+        return _pallas_backward(spec.bplan, args, cot)
+    shape_fn = lambda a, g: _xla_vjp(spec, a, g)
+    return platform_call(spec.per_platform_bwd, spec.default_bwd, shape_fn, args, cot)
+
+
 _kernel_step = jax.custom_vjp(_forward, nondiff_argnums=(0,))
-_kernel_step.defvjp(
-    lambda spec, *args: (_forward(spec, *args), args),
-    lambda spec, args, g: jax.vjp(_xla_of(spec), *args)[1](g),
-)
+_kernel_step.defvjp(lambda spec, *args: (_forward(spec, *args), args), _backward)
 
 
 def _validate(x, y, h_res, h_post, a_pre, phi, norm_scale) -> None:
@@ -177,7 +251,8 @@ def mhc_single_pass(
 
     Shapes: x [..., n, C], y [..., C], h_res [..., n, n], h_post [..., n], a_pre [..., n],
     phi [n*C, K] or None (no statistics), norm_scale [C] or None (no normalisation).
-    block_tokens / block_c override the kernel's token block and C tile; pallas_target
+    block_tokens / block_c override the kernels' token block and C tile (the forward's and
+    the fused backward's); pallas_target
     ("tpu" | "gpu") is the kernel variant run by the interpreter (interpret=True). Compiled
     (interpret=False), "pallas" and "auto" dispatch on the platform the program is lowered
     for (``dispatch.platform_call``): the TPU kernel on TPU, the GPU kernel on CUDA, and for
@@ -219,19 +294,46 @@ def mhc_single_pass(
             interpret=interp,
         )
 
+    def bplan_for(target: str, interp: bool) -> fused_backward.BackwardPlan:
+        return fused_backward.make_backward_plan(
+            target,
+            num=max(1, int(y.size) // c),
+            n=n,
+            c=c,
+            k=None if phi is None else phi.shape[-1],
+            x_item=x.dtype.itemsize,
+            h_item=out_dtype.itemsize,
+            with_norm=norm_scale is not None,
+            norm_eps=float(norm_eps),
+            block_tokens=block_tokens,
+            block_c=block_c,
+            interpret=interp,
+        )
+
     if interpret and impl == "pallas":  # the interpreter runs anywhere: no dispatch
-        return _kernel_step(plan_for(pallas_target, True), *args)
+        spec = _Interpreted(plan_for(pallas_target, True), bplan_for(pallas_target, True))
+        return _kernel_step(spec, *args)
     # Compiled: each platform's rule is lowered only for that platform. A kernel that cannot
-    # take the shape falls back to "xla" under "auto" and is an error under "pallas".
-    per_platform, errors = {}, {}
+    # take the shape falls back to "xla" under "auto" and is an error under "pallas"; the
+    # backward falls back to the XLA VJP where its own kernel cannot take the shape.
+    per_platform, per_platform_bwd, errors = {}, {}, {}
+    xla_bwd = lambda a, g: _xla_vjp(spec, a, g)
     for target, platform in (("tpu", "tpu"), ("gpu", "cuda")):
         try:
             per_platform[platform] = functools.partial(_pallas_forward, plan_for(target, False))
         except ValueError as e:
             errors[platform] = str(e)
             per_platform[platform] = xla if impl == "auto" else str(e)
+        try:
+            bplan = bplan_for(target, False)
+            per_platform_bwd[platform] = lambda a, g, bp=bplan: _pallas_backward(bp, a, g)
+        except ValueError:
+            per_platform_bwd[platform] = xla_bwd
     if impl == "pallas" and len(errors) == 2:
         raise ValueError("; ".join(errors.values()))
     other = xla if impl == "auto" else _NO_KERNEL
-    spec = _Dispatch(float(norm_eps), out_dtype, {**per_platform, "cpu": other}, other)
+    spec = _Dispatch(
+        float(norm_eps), out_dtype, {**per_platform, "cpu": other}, other,
+        {**per_platform_bwd, "cpu": xla_bwd}, xla_bwd,
+    )  # fmt: skip
     return _kernel_step(spec, *args)
