@@ -22,6 +22,10 @@ BENCHMARKS = {
         "v41jax.bench.mhc_bench",
         "mHC residual path bytes/token and time: plain, naive, fused, single pass",
     ),
+    "mhc_train": (
+        "v41jax.bench.mhc_train_bench",
+        "mHC n=4 train-step overhead vs a plain residual (CPU time; compiled-TPU bytes)",
+    ),
     "verify": (
         "v41jax.bench.verify_bench",
         "speculative verification time vs reading the probabilities once",
