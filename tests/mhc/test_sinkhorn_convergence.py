@@ -131,5 +131,10 @@ def test_configs_saved_before_the_polish_load_the_plain_iteration():
     assert run_identity(old) == "583c55ec9a0ed241"  # 1b-mhc's hash before the field
     assert run_identity(cfg) != run_identity(old)
     assert from_dict(type(cfg), to_dict(cfg)) == cfg  # a saved new config round-trips
+    # without mHC the field means nothing: a saved plain run resumes under today's default
+    plain = get_config("tiny")
+    saved = to_dict(plain)
+    del saved["model"]["mhc"]["sinkhorn_newton_steps"]
+    assert from_dict(type(plain), saved) == plain
     with pytest.raises(ValueError, match="sinkhorn_newton_steps=-2"):
         dataclasses.replace(cfg.model.mhc, sinkhorn_newton_steps=-2)

@@ -22,8 +22,9 @@ SINKHORN_VARIANTS = typing.get_args(SinkhornVariant)
 SINGLE_PASS_IMPLS = typing.get_args(SinglePassImpl)
 
 
-# Fields added after runs were saved, with the value a saved config lacking them means (the
-# behaviour before the field existed); `v41jax.config.text.from_dict` fills them in.
+# Fields added after runs were saved, with the value a saved mHC config (n_streams >= 1)
+# lacking them means (the behaviour before the field existed); `v41jax.config.text.from_dict`
+# fills them in. Without mHC they define nothing, and a saved config takes today's default.
 LEGACY_DEFAULTS = {"sinkhorn_newton_steps": 0}
 
 

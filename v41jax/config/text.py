@@ -71,8 +71,8 @@ def from_dict(cls: type, d: dict, prefix: str = "") -> Any:
         d = {k: v for k, v in d.items() if k != "remat"} | {
             "remat_policy": d.get("remat_policy", "full" if d["remat"] else "none")
         }
-    if cls is MHCConfig:  # saved before a field existed: that field's old behaviour
-        d = mhc_config.LEGACY_DEFAULTS | d
+    if cls is MHCConfig and d.get("n_streams", 0):  # saved before a field existed: its old
+        d = mhc_config.LEGACY_DEFAULTS | d  # behaviour (without mHC the fields mean nothing)
     if unknown := set(d) - names:
         close = {c for k in unknown for c in difflib.get_close_matches(k, names, n=3)}
         hint = f"did you mean {_or_list(sorted(close))}? " if close else ""
