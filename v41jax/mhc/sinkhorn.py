@@ -65,12 +65,18 @@ def _check(logits: jax.Array, num_iters: int, variant: str, newton_steps: int = 
         raise ValueError(f"sinkhorn_knopp: newton_steps={newton_steps} must be >= 0")
 
 
+# Inside this module matrices are laid out [n, n, *batch] (row index first, then column):
+# the batch (tokens) on the minor axis. A TPU tiles an array's last two dimensions by
+# (8, 128), so [tokens, 4, 4] intermediates would be padded 64-fold in memory and traffic;
+# the public functions move the matrix axes to the front on entry and back on exit.
+
+
 def _normalise_cols(m: jax.Array, eps: float) -> jax.Array:
-    return m / (jnp.sum(m, axis=-2, keepdims=True) + eps)
+    return m / (jnp.sum(m, axis=0, keepdims=True) + eps)
 
 
 def _normalise_rows(m: jax.Array, eps: float) -> jax.Array:
-    return m / (jnp.sum(m, axis=-1, keepdims=True) + eps)
+    return m / (jnp.sum(m, axis=1, keepdims=True) + eps)
 
 
 def _start(logits: jax.Array, variant: str) -> jax.Array:
@@ -78,9 +84,9 @@ def _start(logits: jax.Array, variant: str) -> jax.Array:
     l32 = logits.astype(jnp.float32)
     if variant == "paper":
         # The max cancels in the first normalisation, so its gradient is exactly zero.
-        m = jax.lax.stop_gradient(jnp.max(l32, axis=(-2, -1), keepdims=True))
+        m = jax.lax.stop_gradient(jnp.max(l32, axis=(0, 1), keepdims=True))
         return jnp.exp(l32 - m)
-    return _normalise_cols(jax.nn.softmax(l32, axis=-1) + V4_EPS, V4_EPS)
+    return _normalise_cols(jax.nn.softmax(l32, axis=1) + V4_EPS, V4_EPS)
 
 
 def _step(m: jax.Array, variant: str) -> jax.Array:
@@ -95,70 +101,95 @@ def _num_steps(num_iters: int, variant: str) -> int:
     return num_iters if variant == "paper" else num_iters - 1
 
 
-def _solve_spd(a_xMxM: jax.Array, b_xM: jax.Array) -> jax.Array:
-    """x with a x = b for a batch of small symmetric positive definite systems.
+def _solve_spd(a: list[list], b: list) -> list:
+    """x with a x = b for a batch of small symmetric positive definite systems, given as
+    nested lists of batch arrays (or 0.0 for structural zeros).
 
-    Gaussian elimination without pivoting (stable for SPD), unrolled over the static size
-    m so that every operation is elementwise over the batch: XLA vectorises it across
-    tokens, where a batched LU (``jnp.linalg.solve``) pivots with gathers per matrix.
+    Gaussian elimination without pivoting (stable for SPD), unrolled over the static size so
+    that every operation is elementwise over the batch: XLA vectorises it across tokens,
+    where a batched LU (``jnp.linalg.solve``) pivots with gathers per matrix.
     """
-    m = a_xMxM.shape[-1]
-    a = [[a_xMxM[..., i, j] for j in range(m)] for i in range(m)]
-    b = [b_xM[..., i] for i in range(m)]
-    for k in range(m):
-        for i in range(k + 1, m):
+    size = len(b)
+    a = [list(row) for row in a]
+    b = list(b)
+    is_zero = lambda v: isinstance(v, float) and v == 0.0
+    for k in range(size):
+        for i in range(k + 1, size):
+            if is_zero(a[i][k]):
+                continue
             lik = a[i][k] / a[k][k]
-            for j in range(k + 1, m):
-                a[i][j] = a[i][j] - lik * a[k][j]
+            for j in range(k + 1, size):
+                if not is_zero(a[k][j]):
+                    a[i][j] = a[i][j] - lik * a[k][j]
             b[i] = b[i] - lik * b[k]
-    x = [None] * m
-    for i in reversed(range(m)):
+    x = [None] * size
+    for i in reversed(range(size)):
         acc = b[i]
-        for j in range(i + 1, m):
-            acc = acc - a[i][j] * x[j]
+        for j in range(i + 1, size):
+            if not is_zero(a[i][j]):
+                acc = acc - a[i][j] * x[j]
         x[i] = acc / a[i][i]
-    return jnp.stack(x, axis=-1)
+    return x
+
+
+def _hessian_reduced(p: jax.Array) -> list[list]:
+    """[[diag(rowsum P), P], [P^T, diag(colsum P)]] less its last row and column (the gauge
+    g_n = 0), as nested lists of batch arrays; symmetric positive definite for P > 0."""
+    n = p.shape[0]
+    rows, cols = jnp.sum(p, axis=1), jnp.sum(p, axis=0)
+    h = [[0.0] * (2 * n - 1) for _ in range(2 * n - 1)]
+    for i in range(n):
+        h[i][i] = rows[i]
+        for j in range(n - 1):
+            h[i][n + j] = h[n + j][i] = p[i, j]
+    for j in range(n - 1):
+        h[n + j][n + j] = cols[j]
+    return h
+
+
+def _potentials(d: list, n: int) -> tuple[jax.Array, jax.Array]:
+    """(f [n, *b], g [n, *b]) from the reduced unknowns (f_1..f_n, g_1..g_{n-1}); g_n = 0."""
+    return jnp.stack(d[:n]), jnp.stack([*d[n:], jnp.zeros_like(d[0])])
 
 
 _STEP_SIZES = (1.0, 0.5, 0.25, 0.125)
 
 
-def _newton_polish(m_xNxN: jax.Array, steps: int) -> jax.Array:
+def _newton_polish(m: jax.Array, steps: int) -> jax.Array:
     """diag(e^f) M diag(e^g) after `steps` damped Newton steps on F(f, g) (module docstring)
-    from f = g = 0; M [..., n, n] positive float32."""
-    n = m_xNxN.shape[-1]
-    f = jnp.zeros(m_xNxN.shape[:-1], jnp.float32)
-    g = jnp.zeros(m_xNxN.shape[:-1], jnp.float32)
+    from f = g = 0; M [n, n, *b] positive float32."""
+    n = m.shape[0]
+    f = jnp.zeros(m.shape[1:], jnp.float32)
+    g = jnp.zeros(m.shape[1:], jnp.float32)
 
     def scaled(f, g):
-        p = m_xNxN * jnp.exp(f[..., :, None] + g[..., None, :])
-        rows, cols = jnp.sum(p, axis=-1), jnp.sum(p, axis=-2)
-        err = jnp.sum(jnp.square(rows - 1), -1) + jnp.sum(jnp.square(cols - 1), -1)
+        p = m * jnp.exp(f[:, None] + g[None, :])
+        rows, cols = jnp.sum(p, axis=1), jnp.sum(p, axis=0)
+        err = jnp.sum(jnp.square(rows - 1), 0) + jnp.sum(jnp.square(cols - 1), 0)
         return p, rows, cols, err
 
     for _ in range(steps):
         p, rows, cols, err = scaled(f, g)
-        # unknowns (f_1..f_n, g_1..g_{n-1}): the gauge g_n = 0 fixed
-        grad = jnp.concatenate([rows - 1, cols[..., : n - 1] - 1], axis=-1)
-        d = -_solve_spd(_hessian_reduced(p), grad)
-        df, dg = d[..., :n], jnp.pad(d[..., n:], [(0, 0)] * (d.ndim - 1) + [(0, 1)])
+        grad = [rows[i] - 1 for i in range(n)] + [cols[j] - 1 for j in range(n - 1)]
+        df, dg = _potentials([-v for v in _solve_spd(_hessian_reduced(p), grad)], n)
         best_f, best_g, best = f, g, err
         for t in _STEP_SIZES:
             tf, tg = f + t * df, g + t * dg
             trial = scaled(tf, tg)[3]
             better = trial < best
             best = jnp.where(better, trial, best)
-            best_f = jnp.where(better[..., None], tf, best_f)
-            best_g = jnp.where(better[..., None], tg, best_g)
+            best_f = jnp.where(better[None], tf, best_f)
+            best_g = jnp.where(better[None], tg, best_g)
         f, g = best_f, best_g
-    return m_xNxN * jnp.exp(f[..., :, None] + g[..., None, :])
+    return m * jnp.exp(f[:, None] + g[None, :])
 
 
 def _sinkhorn_loop(
     logits: jax.Array, num_iters: int, variant: str, newton_steps: int = 0
 ) -> jax.Array:
     """The iterations as a `fori_loop` (compact HLO); differentiable since the count is static.
-    Then `newton_steps` of the polish and the variant's last normalisation again."""
+    Then `newton_steps` of the polish and the variant's last normalisation again.
+    Layout [n, n, *batch] in and out."""
     m = _start(logits, variant)
     m = jax.lax.fori_loop(0, _num_steps(num_iters, variant), lambda _, mm: _step(mm, variant), m)
     if not newton_steps:
@@ -169,21 +200,7 @@ def _sinkhorn_loop(
     return _normalise_cols(m, 0.0)
 
 
-def _hessian_reduced(p_xNxN: jax.Array) -> jax.Array:
-    """[[diag(rowsum P), P], [P^T, diag(colsum P)]] less its last row and column (the gauge
-    g_n = 0): [..., 2n-1, 2n-1], symmetric positive definite for P > 0."""
-    n = p_xNxN.shape[-1]
-    eye = jnp.eye(n, dtype=jnp.float32)
-    rows, cols = jnp.sum(p_xNxN, axis=-1), jnp.sum(p_xNxN, axis=-2)
-    top = jnp.concatenate([rows[..., :, None] * eye, p_xNxN[..., :, : n - 1]], axis=-1)
-    bot = jnp.concatenate(
-        [jnp.swapaxes(p_xNxN, -1, -2)[..., : n - 1, :], cols[..., : n - 1, None] * eye[:-1, :-1]],
-        axis=-1,
-    )
-    return jnp.concatenate([top, bot], axis=-2)
-
-
-def _projection_vjp(p_xNxN: jax.Array, g_xNxN: jax.Array) -> jax.Array:
+def _projection_vjp(p: jax.Array, g: jax.Array) -> jax.Array:
     """The cotangent of the kernel's log, log K, for P = diag(e^f) K diag(e^g) doubly
     stochastic (implicit differentiation of the row and column constraints):
 
@@ -191,14 +208,14 @@ def _projection_vjp(p_xNxN: jax.Array, g_xNxN: jax.Array) -> jax.Array:
 
     with H the Hessian of `_hessian_reduced` (gauge beta_n = 0; alpha_i + beta_j does not
     depend on the gauge). Exact for the converged projection, whatever iterations led to it.
+    Layout [n, n, *b].
     """
-    n = p_xNxN.shape[-1]
-    pg = p_xNxN * g_xNxN.astype(jnp.float32)
-    rhs = jnp.concatenate([jnp.sum(pg, axis=-1), jnp.sum(pg, axis=-2)[..., : n - 1]], axis=-1)
-    sol = _solve_spd(_hessian_reduced(p_xNxN), rhs)
-    alpha = sol[..., :n]
-    beta = jnp.pad(sol[..., n:], [(0, 0)] * (sol.ndim - 1) + [(0, 1)])
-    return p_xNxN * (g_xNxN - alpha[..., :, None] - beta[..., None, :])
+    n = p.shape[0]
+    pg = p * g.astype(jnp.float32)
+    row_pg, col_pg = jnp.sum(pg, axis=1), jnp.sum(pg, axis=0)
+    rhs = [row_pg[i] for i in range(n)] + [col_pg[j] for j in range(n - 1)]
+    alpha, beta = _potentials(_solve_spd(_hessian_reduced(p), rhs), n)
+    return p * (g - alpha[:, None] - beta[None, :])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -223,7 +240,7 @@ def _sinkhorn_bwd(num_iters, variant, newton_steps, logits, g_NxN):
     if variant == "paper":  # K = exp(L - max L): dl/dL = dl/dlog K (the max cancels)
         return (g_logk.astype(logits.dtype),)
     # v4: K = softmax_row(L) + eps (its column normalisation is one more diagonal scaling)
-    start = lambda z: jax.nn.softmax(z.astype(jnp.float32), axis=-1) + V4_EPS
+    start = lambda z: jax.nn.softmax(z.astype(jnp.float32), axis=1) + V4_EPS
     k, vjp = jax.vjp(start, logits)
     return vjp(g_logk / k)
 
@@ -232,6 +249,15 @@ _sinkhorn_recompute.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
 # jit caches the trace per (shape, dtype, num_iters, variant), so eager callers (tests, one-off
 # diagnostics) do not retrace the loop on every call; under an outer jit it is inlined.
 _sinkhorn_jit = jax.jit(_sinkhorn_recompute, static_argnums=(1, 2, 3))
+
+
+def _matrix_first(x_xNxN: jax.Array) -> jax.Array:
+    return jnp.moveaxis(x_xNxN, (-2, -1), (0, 1))
+
+
+def _matrix_last(x_NxNx: jax.Array) -> jax.Array:
+    return jnp.moveaxis(x_NxNx, (0, 1), (-2, -1))
+
 
 NEWTON_STEPS = 4  # the default polish: both sums to ~4e-7 from the identity (docstring)
 
@@ -252,7 +278,8 @@ def sinkhorn_knopp(
     if logits_xNxN.shape[-1] == 1:
         # [1] is the only 1 x 1 doubly-stochastic matrix; the gradient is zero.
         return jnp.ones(logits_xNxN.shape, jnp.float32)
-    return _sinkhorn_jit(logits_xNxN, int(num_iters), variant, int(newton_steps))
+    out = _sinkhorn_jit(_matrix_first(logits_xNxN), int(num_iters), variant, int(newton_steps))
+    return _matrix_last(out)
 
 
 def sinkhorn_knopp_unrolled(
@@ -265,10 +292,10 @@ def sinkhorn_knopp_unrolled(
     _check(logits_xNxN, num_iters, variant, newton_steps)
     if logits_xNxN.shape[-1] == 1:
         return jnp.ones(logits_xNxN.shape, jnp.float32)
-    m = _start(logits_xNxN, variant)
+    m = _start(_matrix_first(logits_xNxN), variant)
     for _ in range(_num_steps(int(num_iters), variant)):
         m = _step(m, variant)
-    if not newton_steps:
-        return m
-    m = _newton_polish(m, int(newton_steps))
-    return _normalise_rows(m, 0.0) if variant == "paper" else _normalise_cols(m, 0.0)
+    if newton_steps:
+        m = _newton_polish(m, int(newton_steps))
+        m = _normalise_rows(m, 0.0) if variant == "paper" else _normalise_cols(m, 0.0)
+    return _matrix_last(m)
