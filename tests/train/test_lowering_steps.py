@@ -223,8 +223,9 @@ def test_unscanned_train_step_calls_a_kernel_per_site():
     """The unrolled layer loop lowers too, with one kernel call per call site."""
     calls = _train_calls("tpu", "model.scan_layers=false")
     # Every sub-layer runs the single pass except where the streams are materialised: layer
-    # 0's attention (the first state) and layer 1's (after Engram) -> 8 - 2 = 6 call sites.
-    assert calls.get("mhc_single_pass") == 6 and calls.get("engram_lookup") == 1, calls
+    # 0's attention (the first state) and layer 1's (after Engram) -> 8 - 2 = 6 call sites,
+    # each a forward kernel and its fused backward kernel.
+    assert calls.get("mhc_single_pass") == 2 * 6 and calls.get("engram_lookup") == 1, calls
 
 
 # Each (platform, program) is a lowering of its own: decode for TPU and prefill for CUDA
