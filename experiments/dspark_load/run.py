@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -35,7 +34,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEEP = os.path.join(os.path.dirname(HERE), "dspark_deep")
-from v41jax.sweep import experiment_module  # noqa: E402
+from v41jax.sweep import experiment_module, git_commit  # noqa: E402
 
 C = experiment_module(HERE, "config")
 D = experiment_module(DEEP, "config")
@@ -280,12 +279,6 @@ def settings() -> dict:
     return json.loads(json.dumps({**mine, "dspark_deep": deep}, default=str))
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                         text=True, check=False)  # fmt: skip
-    return out.stdout.strip() or "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs-dir", help="the models: default dspark_deep's (runs/dspark_deep)")
@@ -311,7 +304,7 @@ def main(argv=None) -> int:
     summary = {
         "setting": setting,
         "machine": machine_info(),
-        "commit": commit(),
+        "commit": git_commit(HERE),
         "settings": settings(),
         "drafter": {"block_size": drafter[0].drafter.block_size, "workdir": w["drafter"]},
         "load": best_passes(rows),

@@ -34,14 +34,13 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 
 import jax
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-from v41jax.sweep import experiment_module  # noqa: E402
+from v41jax.sweep import experiment_module, git_commit  # noqa: E402
 
 C = experiment_module(HERE, "config")
 report = experiment_module(HERE, "report")
@@ -125,15 +124,6 @@ def machine() -> dict:
     return info
 
 
-def commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE,
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def best_lrs(measured: dict, setting: str) -> dict:
     """{arm: lr} for the arms whose stage-1 runs are all measured: the lowest val loss."""
     out = {}
@@ -192,7 +182,7 @@ def time_arms(setting: str, passes: int = TIMING_PASSES) -> dict:
             )
         del calls, arms
         jax.clear_caches()
-    return {"setting": setting, "machine": machine(), "commit": commit(), "rows": rows}
+    return {"setting": setting, "machine": machine(), "commit": git_commit(HERE), "rows": rows}
 
 
 def write_results(out_dir: str, setting: str, measured: dict, pending: list) -> str:
@@ -202,7 +192,7 @@ def write_results(out_dir: str, setting: str, measured: dict, pending: list) -> 
         "setting": setting,
         "grid": {k: v for k, v in C.SETTINGS[setting].items()},
         "machine": machine(),
-        "commit": commit(),
+        "commit": git_commit(HERE),
         "runs": runs,
         "pending": [C.run_name(r) for r in pending],
     }

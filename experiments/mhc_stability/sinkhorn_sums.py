@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 
 import jax
 import numpy as np
@@ -26,7 +25,7 @@ from v41jax.bench.common import machine_info
 from v41jax.config import override
 from v41jax.mhc import MHCConfig
 from v41jax.mhc.reference import mhc_coefficients, mhc_params_init
-from v41jax.sweep import experiment_module
+from v41jax.sweep import experiment_module, git_commit
 from v41jax.train.loop import train
 from v41jax.train.runs import load_run
 
@@ -73,12 +72,6 @@ def worst_sums(param_sets, mhc: MHCConfig, width: int, seed: int = 0) -> dict:
     return out
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True,
-                         text=True, check=False)  # fmt: skip
-    return out.stdout.strip() or "unknown"
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs-dir", default="runs")
@@ -103,7 +96,7 @@ def main(argv=None) -> int:
         keys = jax.random.split(jax.random.PRNGKey(1), len(trained))
         sets = [mhc_params_init(k, n, width, init_cfg) for k in keys]
         result[f"init_alpha_{alpha}"] = {"sublayers": len(sets), **worst_sums(sets, mhc, width)}
-    result |= {"streams": list(STREAMS), "machine": machine_info(), "commit": commit()}
+    result |= {"streams": list(STREAMS), "machine": machine_info(), "commit": git_commit(HERE)}
     os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
     with open(RESULTS, "w") as f:
         json.dump(result, f, indent=2)

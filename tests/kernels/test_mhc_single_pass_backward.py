@@ -4,6 +4,9 @@ token counts and C, one and several C tiles, with and without phi / the norm, in
 variants (interpreted here); and its block-spec traffic is within 1.15x of the backward's
 bound (TPU: the bound itself; GPU: plus the atomic adds of dphi)."""
 
+import importlib.util
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,6 +18,12 @@ from v41jax.kernels.mhc_single_pass.backward import (
     backward_traffic,
     make_backward_plan,
 )
+
+# tests import as files (--import-mode=importlib): the forward tests' module by path
+_FORWARD = pathlib.Path(__file__).parent / "test_mhc_single_pass.py"
+_spec = importlib.util.spec_from_file_location("mhc_single_pass_forward_tests", _FORWARD)
+forward_tests = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(forward_tests)
 
 # (target, lead, n, C, dtype, with_phi, with_norm, block_tokens, block_c)
 CASES = [
@@ -33,18 +42,9 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 
 def _inputs(lead, n, c, dtype, with_phi, with_norm, seed=0):
-    rng = np.random.default_rng(seed)
-    f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
-    k = n * n + 2 * n
-    return (
-        f(*lead, n, c).astype(dtype),
-        f(*lead, c).astype(dtype),
-        jax.nn.softmax(f(*lead, n, n), axis=-1),
-        2 * jax.nn.sigmoid(f(*lead, n)),
-        jax.nn.sigmoid(f(*lead, n)),
-        f(n * c, k) / np.sqrt(n * c) if with_phi else None,
-        1.0 + 0.1 * f(c) if with_norm else None,
-    )
+    """test_mhc_single_pass's inputs, less phi and / or the norm scale."""
+    x, y, h_res, h_post, a_pre, phi, g = forward_tests._inputs(lead, n, c, seed=seed, dtype=dtype)
+    return x, y, h_res, h_post, a_pre, phi if with_phi else None, g if with_norm else None
 
 
 def _grads(fn, args, cot_seed=1):

@@ -192,12 +192,16 @@ def _sinkhorn_loop(
     Layout [n, n, *batch] in and out."""
     m = _start(logits, variant)
     m = jax.lax.fori_loop(0, _num_steps(num_iters, variant), lambda _, mm: _step(mm, variant), m)
+    return _polish(m, variant, newton_steps)
+
+
+def _polish(m: jax.Array, variant: str, newton_steps: int) -> jax.Array:
+    """The last iterate after `newton_steps` of the polish and the variant's last
+    normalisation again (unchanged for newton_steps=0)."""
     if not newton_steps:
         return m
     m = _newton_polish(m, newton_steps)
-    if variant == "paper":
-        return _normalise_rows(m, 0.0)
-    return _normalise_cols(m, 0.0)
+    return _normalise_rows(m, 0.0) if variant == "paper" else _normalise_cols(m, 0.0)
 
 
 def _projection_vjp(p: jax.Array, g: jax.Array) -> jax.Array:
@@ -295,7 +299,4 @@ def sinkhorn_knopp_unrolled(
     m = _start(_matrix_first(logits_xNxN), variant)
     for _ in range(_num_steps(int(num_iters), variant)):
         m = _step(m, variant)
-    if newton_steps:
-        m = _newton_polish(m, int(newton_steps))
-        m = _normalise_rows(m, 0.0) if variant == "paper" else _normalise_cols(m, 0.0)
-    return _matrix_last(m)
+    return _matrix_last(_polish(m, variant, int(newton_steps)))

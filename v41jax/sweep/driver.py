@@ -28,6 +28,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -100,6 +101,17 @@ class RunSpec:
 
 
 # ----------------------------------------------------------------------------- sweep files
+
+
+def git_commit(path: str) -> str:
+    """The short commit hash of the checkout holding `path` ("unknown" outside git), which
+    experiments record beside their results."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=path,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
 
 
 def experiment_module(experiment_dir: str, name: str):

@@ -277,37 +277,27 @@ def mhc_single_pass(
     if impl == "xla":
         return xla(*args)
 
+    # what both kernels' plans are sized by
+    shape = dict(
+        num=max(1, int(y.size) // c),
+        n=n,
+        c=c,
+        k=None if phi is None else phi.shape[-1],
+        x_item=x.dtype.itemsize,
+        with_norm=norm_scale is not None,
+        norm_eps=float(norm_eps),
+        block_tokens=block_tokens,
+        block_c=block_c,
+    )
+
     def plan_for(target: str, interp: bool) -> Plan:
         return make_plan(
-            target,
-            num=max(1, int(y.size) // c),
-            n=n,
-            c=c,
-            k=None if phi is None else phi.shape[-1],
-            x_item=x.dtype.itemsize,
-            out_item=out_dtype.itemsize,
-            with_norm=norm_scale is not None,
-            norm_eps=float(norm_eps),
-            out_dtype=out_dtype,
-            block_tokens=block_tokens,
-            block_c=block_c,
-            interpret=interp,
+            target, **shape, out_item=out_dtype.itemsize, out_dtype=out_dtype, interpret=interp
         )
 
     def bplan_for(target: str, interp: bool) -> fused_backward.BackwardPlan:
         return fused_backward.make_backward_plan(
-            target,
-            num=max(1, int(y.size) // c),
-            n=n,
-            c=c,
-            k=None if phi is None else phi.shape[-1],
-            x_item=x.dtype.itemsize,
-            h_item=out_dtype.itemsize,
-            with_norm=norm_scale is not None,
-            norm_eps=float(norm_eps),
-            block_tokens=block_tokens,
-            block_c=block_c,
-            interpret=interp,
+            target, **shape, h_item=out_dtype.itemsize, interpret=interp
         )
 
     if interpret and impl == "pallas":  # the interpreter runs anywhere: no dispatch

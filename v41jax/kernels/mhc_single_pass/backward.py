@@ -284,19 +284,34 @@ def _backward_body(ld, st, *, n, c, bt, with_norm, with_stats, eps, x_dtype, col
     return tiles(pass2, carry)
 
 
+_REF_NAMES = (
+    # ins: (name, present when)
+    ("x", None), ("y", None), ("h_res", None), ("h_post", None), ("a_pre", None),
+    ("g", "norm"), ("phi", "stats"), ("dxn", None), ("dh", None),
+    ("dproj", "stats"), ("dsumsq", "stats"),
+    # outs
+    ("dx", None), ("dy", None), ("dh_res", None), ("dh_post", None), ("da_pre", None),
+    ("dg", "norm"), ("dphi", "stats"),
+)  # fmt: skip
+
+
+def _named_refs(refs, with_norm: bool, with_stats: bool) -> tuple[dict, list]:
+    """The kernel's refs by name in the operand order of ``backward_block_specs`` (absent
+    optional operands are None), and the refs after them (the TPU kernel's scratch)."""
+    present = {None: True, "norm": with_norm, "stats": with_stats}
+    it = iter(refs)
+    named = {name: next(it) if present[when] else None for name, when in _REF_NAMES}
+    return named, list(it)
+
+
 def _tpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps, num):
     """The grid's last block may hang past N: its rows are masked out of dg and dphi (their
     dX, dy and coefficient rows are dropped by the pipeline)."""
-    it = iter(refs)
-    x_ref, y_ref, hres_ref, hpost_ref, apre_ref = (next(it) for _ in range(5))
-    g_ref = next(it) if with_norm else None
-    phi_ref = next(it) if with_stats else None
-    dxn_ref, dh_ref = next(it), next(it)
-    dproj_ref, dss_ref = (next(it), next(it)) if with_stats else (None, None)
-    dx_ref, dy_ref, dres_ref, dpost_ref, dpre_ref = (next(it) for _ in range(5))
-    dg_ref = next(it) if with_norm else None
-    dphi_ref = next(it) if with_stats else None
-    xn_ref, m_ref = next(it), next(it)
+    r, (xn_ref, m_ref) = _named_refs(refs, with_norm, with_stats)
+    x_ref, y_ref, g_ref, phi_ref, dxn_ref, dh_ref = (
+        r[k] for k in ("x", "y", "g", "phi", "dxn", "dh")
+    )
+    dx_ref, dy_ref, dg_ref, dphi_ref = r["dx"], r["dy"], r["dg"], r["dphi"]
     bt = y_ref.shape[0]
 
     @pl.when(pl.program_id(0) == 0)
@@ -308,14 +323,14 @@ def _tpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps, num):
 
     col = lambda ref, k: ref[:, k : k + 1].astype(_F32)
     cols = {
-        "res": [col(hres_ref, k) for k in range(n * n)],
-        "post": [col(hpost_ref, k) for k in range(n)],
-        "pre": [col(apre_ref, k) for k in range(n)],
+        "res": [col(r["h_res"], k) for k in range(n * n)],
+        "post": [col(r["h_post"], k) for k in range(n)],
+        "pre": [col(r["a_pre"], k) for k in range(n)],
     }
     rows = pl.program_id(0) * bt + lax.broadcasted_iota(jnp.int32, (bt, 1), 0)
     valid = rows < num
-    dproj = jnp.where(valid, dproj_ref[...].astype(_F32), 0.0) if with_stats else None
-    dss = dss_ref[...].astype(_F32) if with_stats else None
+    dproj = jnp.where(valid, r["dproj"][...].astype(_F32), 0.0) if with_stats else None
+    dss = r["dsumsq"][...].astype(_F32) if with_stats else None
 
     def ld(name, i, sl):
         if name == "x":
@@ -355,28 +370,24 @@ def _tpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps, num):
         ld, st, n=n, c=c, bt=bt, with_norm=with_norm, with_stats=with_stats, eps=eps,
         x_dtype=x_ref.dtype, cols=cols, acc=acc, tiles=_static_tiles(c // tc, tc),
     )  # fmt: skip
-    dres_ref[...] = _lane_pack(list(d_res), n * n)
-    dpost_ref[...] = _lane_pack(list(d_post), n)
-    dpre_ref[...] = _lane_pack(list(d_pre), n)
+    r["dh_res"][...] = _lane_pack(list(d_res), n * n)
+    r["dh_post"][...] = _lane_pack(list(d_post), n)
+    r["da_pre"][...] = _lane_pack(list(d_pre), n)
 
 
 def _gpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps):
     """Triton: X' and m are recomputed in pass 2 from re-read tiles (no scratch)."""
-    it = iter(refs)
-    x_ref, y_ref, hres_ref, hpost_ref, apre_ref = (next(it) for _ in range(5))
-    g_ref = next(it) if with_norm else None
-    phi_ref = next(it) if with_stats else None
-    dxn_ref, dh_ref = next(it), next(it)
-    dproj_ref, dss_ref = (next(it), next(it)) if with_stats else (None, None)
-    dx_ref, dy_ref, dres_ref, dpost_ref, dpre_ref = (next(it) for _ in range(5))
-    dg_ref = next(it) if with_norm else None
-    dphi_ref = next(it) if with_stats else None
+    r, _ = _named_refs(refs, with_norm, with_stats)
+    x_ref, y_ref, g_ref, phi_ref, dxn_ref, dh_ref = (
+        r[k] for k in ("x", "y", "g", "phi", "dxn", "dh")
+    )
+    dx_ref, dy_ref, dg_ref, dphi_ref = r["dx"], r["dy"], r["dg"], r["dphi"]
     bt = y_ref.shape[0]
     width = {"res": n * n, "post": n, "pre": n}
-    coef = {"res": hres_ref, "post": hpost_ref, "pre": apre_ref}
+    coef = {"res": r["h_res"], "post": r["h_post"], "pre": r["a_pre"]}
     cols = {m: [coef[m][:, pl.ds(k, 1)].astype(_F32) for k in range(width[m])] for m in coef}
-    dproj = dproj_ref[...].astype(_F32) if with_stats else None
-    dss = dss_ref[...].astype(_F32) if with_stats else None
+    dproj = r["dproj"][...].astype(_F32) if with_stats else None
+    dss = r["dsumsq"][...].astype(_F32) if with_stats else None
     cache = {}  # pass 1's X' and m tiles, recomputed once per tile of pass 2
 
     def recompute(sl):
@@ -433,7 +444,7 @@ def _gpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps):
         ld, st, n=n, c=c, bt=bt, with_norm=with_norm, with_stats=with_stats, eps=eps,
         x_dtype=x_ref.dtype, cols=cols, acc=acc, tiles=_fori_tiles(c // tc, tc),
     )  # fmt: skip
-    for ref, vals in ((dres_ref, d_res), (dpost_ref, d_post), (dpre_ref, d_pre)):
+    for ref, vals in ((r["dh_res"], d_res), (r["dh_post"], d_post), (r["da_pre"], d_pre)):
         for k, v in enumerate(vals):
             ref[:, pl.ds(k, 1)] = v
 
