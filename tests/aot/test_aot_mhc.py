@@ -176,3 +176,48 @@ def test_forward_compiles_for_other_generations(tpu_v5e, topology, dtype):
         )  # fmt: skip
         (used,) = record.scoped_vmem_bytes
         assert 0 < used <= plan.vmem_limit_bytes <= TPU_VMEM_HARD_LIMIT, (topology, c, used)
+
+
+def _chain_relayouts(devices, steps: int, c: int) -> int:
+    """Stream-sized layout changes (copies, physical reshapes and transposes: not the async
+    copy-starts, which move a buffer between memory spaces) in the compiled value and
+    gradient of `steps` chained Single-Pass steps on one chip."""
+    from v41jax.kernels import hlo_bytes
+
+    tokens, f32 = 1024, jnp.float32
+    sharding = jax.sharding.SingleDeviceSharding(devices[0])
+    shaped = lambda *s: S(s, f32, sharding=sharding)  # noqa: E731
+    args = [shaped(tokens, N, c), shaped(steps, tokens, c), shaped(tokens, N, N),
+            shaped(tokens, N), shaped(tokens, N), shaped(N * c, K), shaped(c)]  # fmt: skip
+
+    def loss(x, ys, h_res, h_post, a_pre, phi, g):
+        total = 0.0
+        for i in range(steps):
+            x, h, proj, sumsq = mhc_single_pass(x, ys[i], h_res, h_post, a_pre, phi, g,
+                                                impl="pallas")  # fmt: skip
+            total += jnp.sum(h**2) + jnp.sum(proj) + jnp.sum(sumsq)
+        return total + jnp.sum(x**2)
+
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).trace(*args).lower().compile()
+    stream = tokens * N * c * 4
+    moves = ("copy", "reshape", "transpose")
+    ops = hlo_bytes.instruction_bytes(compiled.as_text())
+    return sum(1 for op in ops if op.opcode in moves and op.bytes >= 2 * stream)
+
+
+def test_streams_pass_between_chained_kernels_without_relayout(tpu_v5e, monkeypatch):
+    """C = 1024: the forward kernel reads and writes the streams as [N, n*C] rows and so
+    does the fused backward (``BackwardPlan.flat_streams``). A [N, n, C] array is tiled over
+    (n, C) on TPU, so a kernel taking the other form costs a relayout copy of the streams
+    each way; chained steps (a deep model's sub-layers) must add none: the copies at the
+    chain's ends (the [N, n, C] parameter and its gradient) are the same for 1 and 3 steps."""
+    devices = tpu_v5e.devices[:1]
+    one, three = (_chain_relayouts(devices, s, 1024) for s in (1, 3))
+    assert three == one, (one, three)
+    # negative control: the backward on [N, n, C] blocks, as it was, relayouts the streams
+    # once more per step (2 for one step, 4 for three, when this was written)
+    from v41jax.kernels.mhc_single_pass.backward import BackwardPlan
+
+    monkeypatch.setattr(BackwardPlan, "flat_streams", property(lambda self: False))
+    one, three = (_chain_relayouts(devices, s, 1024) for s in (1, 3))
+    assert three > one, (one, three)

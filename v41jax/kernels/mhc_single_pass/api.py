@@ -121,6 +121,7 @@ def _pallas_backward(bplan: fused_backward.BackwardPlan, args, cot):
         a if padded == num else jnp.pad(a, [(0, padded - num)] + [(0, 0)] * (a.ndim - 1))
     )
     flat = lambda a, *tail, dt=None: pad(a.reshape(num, *tail).astype(dt or a.dtype))
+    streams = (n * c,) if bplan.flat_streams else (n, c)  # the forward kernel's layout
     phi3 = dproj = dss = None
     if phi is not None:
         k = phi.shape[-1]
@@ -131,14 +132,14 @@ def _pallas_backward(bplan: fused_backward.BackwardPlan, args, cot):
         dss = flat(d_sumsq, 1, dt=jnp.float32)
     outs = fused_backward.single_pass_backward_pallas(
         bplan,
-        flat(x, n, c),
+        flat(x, *streams),
         flat(y, c),
         flat(h_res, n * n, dt=jnp.float32),
         flat(h_post, n, dt=jnp.float32),
         flat(a_pre, n, dt=jnp.float32),
         None if norm_scale is None else norm_scale.astype(jnp.float32).reshape(1, c),
         phi3,
-        flat(d_xn, n, c, dt=x.dtype),
+        flat(d_xn, *streams, dt=x.dtype),
         flat(d_h, c),
         dproj,
         dss,

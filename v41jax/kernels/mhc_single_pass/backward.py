@@ -22,9 +22,14 @@ second the gradients; the coefficient gradients and dphi, dg accumulate across t
 token blocks without any [tokens, nC, K] intermediate.
 
 "tpu" (Mosaic): grid (token blocks,), sequential ("arbitrary") so that dphi [n, K, C]
-  (K on sublanes) and dg [1, C] stay resident accumulators; X, dX' and dX in [bt, n, C]
-  blocks, the C tiles static lane slices of width tc inside the kernel. Every block is
-  moved once: the traffic by block specs is the bound.
+  (K on sublanes) and dg [1, C] stay resident accumulators; X, dX' and dX in blocks of
+  whole token rows, the C tiles static lane slices of width tc inside the kernel. Every
+  block is moved once: the traffic by block specs is the bound. Where C is a multiple of
+  128 the streams come as [N, n*C] rows (``BackwardPlan.flat_streams``), the layout the
+  forward kernel reads and writes for that C: a [N, n, C] array is tiled on TPU over its
+  two minor dims (n, C), so every change between the two forms is a relayout copy of the
+  streams, and a step whose kernels disagree pays two or more such copies (2 n C read and
+  written each) per sub-layer, more than the kernels' own traffic. Elsewhere [N, n, C].
 "gpu" (Triton): grid (token blocks,), parallel; the second pass re-reads the X, y and dh
   tiles (the first pass's re-read in L2, as the forward's phase 2) and dphi, dg are
   accumulated with atomic adds into zeroed outputs (nC K + C f32 per token block).
@@ -71,14 +76,24 @@ class BackwardPlan:
     interpret: bool
     vmem_limit_bytes: int | None = None
 
+    @property
+    def flat_streams(self) -> bool:
+        """X, dX' and dX as [N, n*C] (TPU, C tiles of whole 128-lane multiples: the
+        forward kernel's layout, see the module docstring); else [N, n, C]."""
+        return self.target == "tpu" and self.block_c % 128 == 0
 
-def tpu_backward_vmem_bytes(bt, n, c, kp, x_item, h_item, with_norm, with_stats) -> int:
-    """VMEM of the TPU backward: double-buffered [bt, n, C] blocks of X, dX' and dX (n rows
-    padded to the 8 x packing sublane tile), [bt, C] blocks of y, dh, dy, the X' and m
-    scratch (f32), and phi / dphi [n, K, C] and dg when present."""
+
+def tpu_backward_vmem_bytes(bt, n, c, kp, x_item, h_item, with_norm, with_stats,
+                            flat=False) -> int:  # fmt: skip
+    """VMEM of the TPU backward: double-buffered blocks of X, dX' and dX ([bt, n C] rows when
+    `flat`, else [bt, n, C] with n padded to the 8 x packing sublane tile), [bt, C] blocks
+    of y, dh, dy, the X' and m scratch (f32), and phi / dphi [n, K, C] and dg when present."""
     lanes = -(-c // 128) * 128
     sub = lambda rows, it: -(-rows // (8 * max(1, 4 // it))) * 8 * max(1, 4 // it)
-    streams = bt * sub(n, x_item) * lanes * x_item
+    if flat:
+        streams = sub(bt, x_item) * n * lanes * x_item
+    else:
+        streams = bt * sub(n, x_item) * lanes * x_item
     rows = lambda it: sub(bt, it) * lanes * it
     total = 2 * (3 * streams + 2 * rows(x_item) + rows(h_item))
     total += (n + 1) * sub(bt, 4) * lanes * 4  # X' and m scratch
@@ -113,7 +128,7 @@ def make_backward_plan(
             fail(f"block_tokens={block_tokens} must be a multiple of 8 (TPU sublanes)")
         bts = [min(b, cap) for b in bts]
         need = lambda b: tpu_backward_vmem_bytes(
-            b, n, c, kp or 0, x_item, h_item, with_norm, with_stats
+            b, n, c, kp or 0, x_item, h_item, with_norm, with_stats, tcs[0] % 128 == 0
         )
         fits = [b for b in bts if need(b) <= TPU_VMEM_BUDGET] or [bts[-1]]
         bt = fits[0]
@@ -164,12 +179,13 @@ def backward_block_specs(plan: BackwardPlan, num, n, c, x_dtype, h_dtype, with_n
         return (shape, lambda t: zeros, 4)
 
     phi_shape = (n, kp, c)
-    ins = [tok(n, c, it=xi), tok(c, it=xi), tok(n * n, it=4), tok(n, it=4), tok(n, it=4)]
+    streams = (n * c,) if plan.flat_streams else (n, c)
+    ins = [tok(*streams, it=xi), tok(c, it=xi), tok(n * n, it=4), tok(n, it=4), tok(n, it=4)]
     ins += [whole(1, c)] if with_norm else []
     ins += [whole(*phi_shape)] if with_stats else []
-    ins += [tok(n, c, it=xi), tok(c, it=hi)]
+    ins += [tok(*streams, it=xi), tok(c, it=hi)]
     ins += [tok(kp, it=4), tok(1, it=4)] if with_stats else []
-    outs: list[Block] = [tok(n, c, it=xi), tok(c, it=xi), tok(n * n, it=4), tok(n, it=4)]
+    outs: list[Block] = [tok(*streams, it=xi), tok(c, it=xi), tok(n * n, it=4), tok(n, it=4)]
     outs += [tok(n, it=4)]
     outs += [whole(1, c)] if with_norm else []
     outs += [whole(*phi_shape)] if with_stats else []
@@ -304,9 +320,10 @@ def _named_refs(refs, with_norm: bool, with_stats: bool) -> tuple[dict, list]:
     return named, list(it)
 
 
-def _tpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps, num):
+def _tpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps, num, flat):
     """The grid's last block may hang past N: its rows are masked out of dg and dphi (their
-    dX, dy and coefficient rows are dropped by the pipeline)."""
+    dX, dy and coefficient rows are dropped by the pipeline). `flat`: the streams' blocks
+    are [bt, n C] rows (stream i's tile at lanes i C + the tile's), else [bt, n, C]."""
     r, (xn_ref, m_ref) = _named_refs(refs, with_norm, with_stats)
     x_ref, y_ref, g_ref, phi_ref, dxn_ref, dh_ref = (
         r[k] for k in ("x", "y", "g", "phi", "dxn", "dh")
@@ -332,11 +349,16 @@ def _tpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps, num):
     dproj = jnp.where(valid, r["dproj"][...].astype(_F32), 0.0) if with_stats else None
     dss = r["dsumsq"][...].astype(_F32) if with_stats else None
 
+    def stream(i, sl):  # stream i's tile sl: lanes i C + sl of a row block, or [:, i, sl]
+        if flat:
+            return slice(None), slice(i * c + sl.start, i * c + sl.stop)
+        return slice(None), i, sl
+
     def ld(name, i, sl):
         if name == "x":
-            return x_ref[:, i, sl].astype(_F32)
+            return x_ref[stream(i, sl)].astype(_F32)
         if name == "dxn":
-            return dxn_ref[:, i, sl].astype(_F32)
+            return dxn_ref[stream(i, sl)].astype(_F32)
         if name == "xn":
             return xn_ref[i, :, sl]
         if name == "dproj_phi":  # [bt, K] @ [K, tc]
@@ -352,7 +374,7 @@ def _tpu_backward_kernel(*refs, n, c, tc, with_norm, with_stats, eps, num):
         elif name == "m":
             m_ref[:, sl] = v
         elif name == "dx":
-            dx_ref[:, i, sl] = v.astype(dx_ref.dtype)
+            dx_ref[stream(i, sl)] = v.astype(dx_ref.dtype)
         else:
             dy_ref[:, sl] = v.astype(dy_ref.dtype)
 
@@ -456,9 +478,11 @@ def single_pass_backward_pallas(
 ) -> tuple[Any, ...]:  # fmt: skip
     """``(dx, dy, dh_res [N, n*n], dh_post, da_pre, dg [1, C] | None, dphi [n, Kp, C] | None)``.
 
+    x, dx' and dx are [N, n, C], or [N, n*C] where ``plan.flat_streams`` (then pass n).
     phi comes as [n, Kp, C] (K padded with zeros to ``plan.k_pad``) and dproj as [N, Kp];
     the GPU plan needs N % block_tokens == 0 (the caller pads with zero cotangents)."""
-    num, n, c = x_NxnxC.shape
+    num, c = y_NxC.shape
+    n = x_NxnxC.shape[1] // c if plan.flat_streams else x_NxnxC.shape[1]
     with_norm, with_stats = norm_scale_1xC is not None, phi_nxKxC is not None
     grid, ins, outs = backward_block_specs(
         plan, num, n, c, x_NxnxC.dtype, dh_NxC.dtype, with_norm, with_stats
@@ -471,7 +495,7 @@ def single_pass_backward_pallas(
     operands += [dxn_NxnxC, dh_NxC]
     operands += [dproj_NxK, dsumsq_Nx1] if with_stats else []
     out_shape = [
-        jax.ShapeDtypeStruct((num, n, c), x_NxnxC.dtype),
+        jax.ShapeDtypeStruct(x_NxnxC.shape, x_NxnxC.dtype),
         jax.ShapeDtypeStruct((num, c), y_NxC.dtype),
         jax.ShapeDtypeStruct((num, n * n), _F32),
         jax.ShapeDtypeStruct((num, n), _F32),
@@ -488,7 +512,8 @@ def single_pass_backward_pallas(
         bytes_accessed=int(block_traffic(grid, ins + outs)),
     )  # fmt: skip
     if plan.target == "tpu":
-        kernel = functools.partial(_tpu_backward_kernel, **common, num=num)
+        kernel = functools.partial(_tpu_backward_kernel, **common, num=num,
+                                   flat=plan.flat_streams)  # fmt: skip
         scratch = [pltpu.VMEM((n, bt, c), _F32), pltpu.VMEM((bt, c), _F32)]
         params = pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), vmem_limit_bytes=plan.vmem_limit_bytes
