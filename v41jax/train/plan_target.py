@@ -123,7 +123,9 @@ def compile_on_target(
     }
 
 
-def compile_step_on_devices(cfg: Config, devices, device_memory: int) -> dict:
+def compile_step_on_devices(
+    cfg: Config, devices, device_memory: int, *, keep_text: bool = False
+) -> dict:
     """Compile `cfg`'s train step on a mesh (`cfg.mesh`) over compile-only `devices`.
 
     Returns a JSON-able dict: `memory` (memory_analysis() fields, bytes per device),
@@ -133,7 +135,8 @@ def compile_step_on_devices(cfg: Config, devices, device_memory: int) -> dict:
     compiled program (`aot.kernel_ops`: (instruction, op_name) pairs, Mosaic on TPU and
     Triton on CUDA; `pallas_kernels` counts them), and the compile time on this machine.
     A step the compiler refuses for memory has `fits` False, `compiler_error` its message
-    and None for the figures it did not produce.
+    and None for the figures it did not produce. `keep_text`: also `text`, the compiled
+    module's HLO text (e.g. for `v41jax.kernels.hlo_bytes`; "" for a refused step).
     """
     mesh = sharding.make_mesh(cfg.mesh, devices)
     t0 = time.perf_counter()
@@ -147,14 +150,15 @@ def compile_step_on_devices(cfg: Config, devices, device_memory: int) -> dict:
     except jax.errors.JaxRuntimeError as e:  # e.g. RESOURCE_EXHAUSTED: over the chip's HBM
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return _refused(devices, mesh, device_memory, str(e), time.perf_counter() - t0)
+        refused = _refused(devices, mesh, device_memory, str(e), time.perf_counter() - t0)
+        return ({"text": ""} if keep_text else {}) | refused
     seconds = time.perf_counter() - t0
     memory = aot.compiled_memory(compiled)
     cost = aot.compiled_cost(compiled)
     peak = aot.peak_bytes(memory)
     text = compiled.as_text() or ""
     kernels = aot.kernel_ops(text)
-    return {
+    return ({"text": text} if keep_text else {}) | {
         "device_kind": getattr(devices[0], "device_kind", ""),
         "devices": mesh.devices.size,
         "memory": memory,
