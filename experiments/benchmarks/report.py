@@ -242,12 +242,43 @@ def kernel_bytes_table(d: dict) -> str:
     return _md(header, rows)
 
 
+def mhc_train_cpu_table(d: dict) -> str:
+    """The train step per width and form on this machine, and its overhead over plain."""
+    ms = lambda r: f"{1e3 * r['step_s']:,.1f}"  # noqa: E731
+    rows = [
+        [f"{r['d_model']:,}", r["form"], ms(r)]
+        + ["-" if r["form"] == "plain" else f"{100 * r['overhead']:+.1f}%"]
+        for r in d["cpu"]
+    ]
+    return _md(["d", "form", "step ms (median)", "overhead vs plain (median ratio)"], rows)
+
+
+def mhc_train_tpu_table(d: dict) -> str:
+    """mHC's added bytes per token per sub-layer on the compiled TPU step, whole and marginal,
+    against the forward + backward bound, and the marginal by part (kB)."""
+    kb = lambda x: f"{x / 1e3:,.1f}"  # noqa: E731
+    parts = ("mhc_kernels", "mhc_xla", "sublayers", "model_other", "compiler_inserted")
+    rows = [
+        [f"{r['d_model']:,}", kb(r["bound_per_token_sublayer"])]
+        + [kb(r["added_bytes_per_token_sublayer"]), f"{r['added_over_bound']:.2f}"]
+        + [kb(r["marginal_bytes_per_token_sublayer"]), f"{r['marginal_over_bound']:.2f}"]
+        + [kb(r["marginal_by_part"][p]) for p in parts]
+        for r in d["tpu"]
+    ]
+    lo, hi = d["tpu"][0]["layers"]
+    header = ["d", "bound kB", f"added kB ({lo} layers)", "/ bound"]
+    header += [f"marginal kB ({lo} -> {hi})", "/ bound", "kernels", "mHC XLA", "sub-layers"]
+    return _md([*header, "other model", "compiler copies"], rows)
+
+
 SECTIONS = (
     ("train", "Training throughput", train_table),
     ("engram", "Engram vs an equal-parameter dense FFN", engram_table),
     ("engram", "Lookup bandwidth", bandwidth_table),
     ("verify", "Speculative verification", verify_table),
     ("mhc", "mHC residual path", mhc_tables),
+    ("mhc_train", "mHC train-step overhead on this machine", mhc_train_cpu_table),
+    ("mhc_train_tpu", "mHC train-step bytes compiled for TPU", mhc_train_tpu_table),
     ("kernel_bytes", "Kernel bytes from the TPU compiler", kernel_bytes_table),
     ("attention", "Attention implementations", attention_tables),
     ("compile", "Compile time vs depth", compile_table),
