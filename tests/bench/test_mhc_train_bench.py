@@ -35,3 +35,28 @@ def test_cpu_part_writes_a_row_per_width_and_form(tmp_path):
 def test_bad_arguments_are_refused_by_name(argv, message):
     with pytest.raises(SystemExit, match=message):
         bench_main(["mhc_train", *argv])
+
+
+def test_width_row_takes_the_marginal_of_a_layer_and_splits_it_by_part():
+    """Added bytes per token per sub-layer: whole step at L, and (added at 2L - added at L)
+    over the extra sub-layers; the parts the same way; the bound is forward + backward."""
+    from v41jax.bench.mhc_train_bench import width_row
+    from v41jax.kernels.hlo_bytes import PARTS
+    from v41jax.kernels.mhc_single_pass.backward import backward_bound_bytes
+
+    tokens, d = 100, 64
+    cost = lambda b: {"bytes_accessed_per_device": b, "flops_per_device": 1.0}  # noqa: E731
+    costs = {("plain", 2): cost(1000.0 * tokens), ("single_pass", 2): cost(9000.0 * tokens),
+             ("plain", 4): cost(2000.0 * tokens), ("single_pass", 4): cost(14000.0 * tokens)}  # fmt: skip
+    zero = dict.fromkeys(PARTS, 0)
+    parts = {key: dict(zero) for key in costs}
+    parts["single_pass", 2]["mhc_kernels"] = 400 * tokens
+    parts["single_pass", 4]["mhc_kernels"] = 2000 * tokens
+    row = width_row(d, costs, parts, (2, 4), tokens)
+    assert row["added_bytes_per_token_sublayer"] == 8000 / 4  # 8000 B/token over 4 sub-layers
+    assert row["marginal_bytes_per_token_sublayer"] == (12000 - 8000) / 4
+    assert row["marginal_by_part"]["mhc_kernels"] == (2000 - 400) / 4
+    assert row["marginal_by_part"]["compiler_inserted"] == 0
+    bound = 10 * d * 4 + backward_bound_bytes(4, d, 24, 4, 4, True)
+    assert row["bound_per_token_sublayer"] == bound
+    assert row["marginal_over_bound"] == row["marginal_bytes_per_token_sublayer"] / bound
