@@ -24,6 +24,7 @@ fastest pass), results/tables.md and the PNGs (report.py).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -48,6 +49,7 @@ from v41jax.decode.sampling import SamplingParams  # noqa: E402
 from v41jax.dspark.analysis.study import val_prompts  # noqa: E402
 from v41jax.dspark.decode.engine import admission_for, load_or_measure_cost  # noqa: E402
 from v41jax.dspark.decode.rounds import DSparkProposer, ScheduledLengths, ScheduledWidth  # noqa: E402
+from v41jax.dspark.decode.scheduler import CostTable, RaggedCost  # noqa: E402
 from v41jax.dspark.model.drafter import frozen_target  # noqa: E402
 from v41jax.dspark.train.config import DrafterRunConfig, override_run_config  # noqa: E402
 from v41jax.dspark.train.load import load_drafter  # noqa: E402
@@ -186,21 +188,64 @@ def measured(done: list, wall_s: float) -> dict:
     }
 
 
+def boot_id() -> str:
+    """This machine's boot: parts of one group are measured within one (see Stages)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return f"{os.uname().nodename}:{os.getpid()}"
+
+
+def part_group(name: str) -> str:
+    """The group a part belongs to: "closed/c4" for closed/c4/pass0/plain and costs/c4,
+    "open" for open/0.5/plain and costs/open."""
+    kind, rest = name.split("/", 1)
+    if kind == "costs":
+        return "open" if rest == "open" else f"closed/{rest}"
+    return "open" if kind == "open" else f"{kind}/{rest.split('/', 1)[0]}"
+
+
 class Stages:
     """Finished parts in a JSON file (written atomically after each) beside the settings they
-    were measured under: a rerun with other settings starts afresh instead of mixing."""
+    were measured under: a rerun with other settings starts afresh instead of mixing.
 
-    def __init__(self, path: str, settings: dict):
-        self.path, self.key, self.parts = path, settings, {}
+    Every part records the boot it was measured in. A group of parts compared with each other
+    (one concurrency's cost tables and every decoder's passes; the open loop) is measured on
+    one machine: on a rerun, the parts of a group that is not complete and was started on
+    another boot are dropped (and named), so a benchmark that outlives its machine resumes
+    group by group instead of pricing a decoder against a plain pass timed elsewhere."""
+
+    def __init__(self, path: str, settings: dict, complete: dict | None = None):
+        self.path, self.key, self.parts, self.boot = path, settings, {}, boot_id()
         if os.path.exists(path):
-            with open(path) as f:
-                saved = json.load(f)
+            try:
+                with open(path) as f:
+                    saved = json.load(f)
+            except json.JSONDecodeError as e:
+                raise SystemExit(f"{path} is damaged ({e}); move it away to start afresh") from e
             if saved.get("settings") == settings:
                 self.parts = saved["parts"]
+            else:
+                print(f"{path}: measured under other settings; starting afresh", flush=True)
+        self._drop_groups_started_elsewhere(complete or {})
+
+    def _drop_groups_started_elsewhere(self, complete: dict) -> None:
+        groups: dict[str, list[str]] = {}
+        for name in self.parts:
+            groups.setdefault(part_group(name), []).append(name)
+        for group, names in groups.items():
+            done = set(complete.get(group, ())) <= set(names) and group in complete
+            boots = {self.parts[n].get("boot") for n in names}
+            if not done and boots != {self.boot}:
+                print(f"{self.path}: dropping {len(names)} parts of unfinished group {group} "
+                      f"measured on another machine/boot", flush=True)  # fmt: skip
+                for n in names:
+                    del self.parts[n]
 
     def get(self, name: str, measure):
         if name not in self.parts:
-            self.parts[name] = measure()
+            self.parts[name] = {**measure(), "boot": self.boot}
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump({"settings": self.key, "parts": self.parts}, f)
@@ -208,16 +253,44 @@ class Stages:
         return self.parts[name]
 
 
+def decoder_names(block_size: int) -> list[str]:
+    """config.DECODERS less the fixed lengths the drafter cannot propose (L > K)."""
+    return [n for n in C.DECODERS if not n.startswith("fixed_L") or int(n[7:]) <= block_size]
+
+
+def expected_parts(names: list[str]) -> dict[str, list[str]]:
+    """Every part of every group (Stages): a concurrency's cost tables and passes; the open
+    loop's cost tables and runs."""
+    groups = {
+        f"closed/c{c}": [f"costs/c{c}"]
+        + [f"closed/c{c}/pass{p}/{n}" for p in range(C.PASSES) for n in names]
+        for c in C.CONCURRENCY
+    }
+    groups["open"] = ["costs/open"] + [f"open/{f}/{n}" for f in C.OPEN_RATES for n in names]
+    return groups
+
+
+def cost_part(w: dict, target, drafter, c: int) -> dict:
+    """A group's cost tables as dicts, with the machine they were measured on."""
+    cost = costs_at(w, target, drafter, c)
+    return {"padded": cost["padded"].to_dict(), "ragged": cost["ragged"].to_dict(),
+            "machine": machine_info()}  # fmt: skip
+
+
+def cost_tables(part: dict) -> dict:
+    return {"padded": CostTable.from_dict(part["padded"]),
+            "ragged": RaggedCost.from_dict(part["ragged"])}  # fmt: skip
+
+
 def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, dict]:
     """(closed-loop rows of every pass, open-loop rows, cost tables by concurrency)."""
-    k = drafter[0].drafter.block_size
-    names = [n for n in C.DECODERS if not n.startswith("fixed_L") or int(n[7:]) <= k]
+    names = decoder_names(drafter[0].drafter.block_size)
     prompts = val_prompts(target, max(C.REQUESTS.values()), C.PROMPT_LEN)
     rows, costs = [], {}
     for c in C.CONCURRENCY:
-        cost = costs_at(w, target, drafter, c)
-        costs[c] = {"padded": cost["padded"].to_dict(), "ragged": cost["ragged"].to_dict()}
-        batchers = {}
+        part = stages.get(f"costs/c{c}", lambda c=c: cost_part(w, target, drafter, c))
+        costs[c] = {"padded": part["padded"], "ragged": part["ragged"]}
+        cost, batchers = cost_tables(part), {}
         for p in range(C.PASSES):
             order = names if p % 2 == 0 else names[::-1]
             for name in order:
@@ -237,7 +310,8 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
         (r for r in rows if r["decoder"] == "plain" and r["concurrency"] == C.OPEN_SLOTS),
         key=lambda r: r["tokens_per_s"],
     )
-    open_rows, cost = [], costs_at(w, target, drafter, C.OPEN_SLOTS)
+    part = stages.get("costs/open", lambda: cost_part(w, target, drafter, C.OPEN_SLOTS))
+    open_rows, cost = [], cost_tables(part)
     for j, frac in enumerate(C.OPEN_RATES):
         rate = frac * plain["tokens_per_s"] / C.NEW_TOKENS  # requests per second
         for name in names:
@@ -272,11 +346,27 @@ def best_passes(rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda r: (r["concurrency"], C.DECODERS.index(r["decoder"])))
 
 
-def settings() -> dict:
-    """This experiment's settings and dspark_deep's that define the models."""
+def params_fingerprint(tree) -> str:
+    """sha256 of a parameter tree's leaves (paths, dtypes, shapes, bytes): the models a
+    stages file was measured with, so a retrained model that differs starts afresh."""
+    h = hashlib.sha256()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        a = np.asarray(leaf)
+        h.update(f"{jax.tree_util.keystr(path)}:{a.dtype}:{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+def settings(target=None, drafter=None) -> dict:
+    """This experiment's settings, dspark_deep's that define the models, and (given them)
+    the fingerprints of the models' parameters."""
     mine = {n: getattr(C, n) for n in dir(C) if n.isupper() and n != "QUICK"}
     deep = {n: getattr(D, n) for n in ("TARGET", "TARGET_STEPS", "SELF_TEXT", "DRAFTER_STEPS")}
-    return json.loads(json.dumps({**mine, "dspark_deep": deep}, default=str))
+    out = {**mine, "dspark_deep": deep}
+    if target is not None:
+        out["models"] = {"target": params_fingerprint(target.params),
+                         "drafter": params_fingerprint(drafter[1])}  # fmt: skip
+    return json.loads(json.dumps(out, default=str))
 
 
 def main(argv=None) -> int:
@@ -299,13 +389,15 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(out_dir, exist_ok=True)
     target, drafter = load_run(w["target"]), load_drafter(w["drafter"])
-    stages = Stages(os.path.join(out_dir, "stages.json"), settings())
+    complete = expected_parts(decoder_names(drafter[0].drafter.block_size))
+    key = settings(target, drafter)
+    stages = Stages(os.path.join(out_dir, "stages.json"), key, complete)
     rows, open_rows, costs = load_study(w, target, drafter, stages)
     summary = {
         "setting": setting,
         "machine": machine_info(),
         "commit": git_commit(HERE),
-        "settings": settings(),
+        "settings": key,
         "drafter": {"block_size": drafter[0].drafter.block_size, "workdir": w["drafter"]},
         "load": best_passes(rows),
         "passes": rows,

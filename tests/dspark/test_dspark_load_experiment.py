@@ -111,3 +111,44 @@ def test_dspark_load_experiment_miniature(tmp_path):
     again = subprocess.run(cmd + ["--out-dir", str(out)], cwd=ROOT, timeout=600,
                            capture_output=True, text=True)  # fmt: skip
     assert again.returncode == 0 and "pass 0" not in again.stdout
+
+
+def test_stages_resume_keeps_finished_groups_and_drops_unfinished_ones_from_another_boot(
+    tmp_path, monkeypatch
+):
+    run = _module("run")
+    assert run.part_group("closed/c4/pass1/plain") == "closed/c4"
+    assert run.part_group("costs/c4") == "closed/c4"
+    assert run.part_group("open/0.5/fixed_L2") == "open"
+    assert run.part_group("costs/open") == "open"
+    complete = {"closed/c1": ["costs/c1", "closed/c1/pass0/plain"],
+                "closed/c4": ["costs/c4", "closed/c4/pass0/plain"],
+                "open": ["costs/open", "open/0.5/plain"]}  # fmt: skip
+    parts = {"costs/c1": {"boot": "old"}, "closed/c1/pass0/plain": {"boot": "old"},  # finished
+             "costs/c4": {"boot": "old"},  # unfinished, another boot: dropped
+             "costs/open": {"boot": "now"}}  # unfinished, this boot: kept  # fmt: skip
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps({"settings": {"a": 1}, "parts": parts}))
+    monkeypatch.setattr(run, "boot_id", lambda: "now")
+    stages = run.Stages(str(path), {"a": 1}, complete)
+    assert sorted(stages.parts) == ["closed/c1/pass0/plain", "costs/c1", "costs/open"]
+    got = stages.get("costs/c4", lambda: {"x": 2})
+    assert got == {"x": 2, "boot": "now"}
+    assert json.loads(path.read_text())["parts"]["costs/c4"] == got
+    # other settings (e.g. a retrained model's fingerprint): nothing is reused
+    assert run.Stages(str(path), {"a": 2}, complete).parts == {}
+    path.write_text('{"settings": ')
+    with pytest.raises(SystemExit, match="stages.json is damaged"):
+        run.Stages(str(path), {"a": 1}, complete)
+
+
+def test_params_fingerprint_names_the_models_bits():
+    import numpy as np
+
+    run = _module("run")
+    tree = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
+    same = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
+    assert run.params_fingerprint(tree) == run.params_fingerprint(same)
+    same["b"][1] = 1e-7
+    assert run.params_fingerprint(tree) != run.params_fingerprint(same)
+    assert run.params_fingerprint(tree) != run.params_fingerprint({**tree, "w": tree["w"].T})
