@@ -46,8 +46,9 @@ def test_width_row_takes_the_marginal_of_a_layer_and_splits_it_by_part():
 
     tokens, d = 100, 64
     cost = lambda b: {"bytes_accessed_per_device": b, "flops_per_device": 1.0}  # noqa: E731
-    costs = {("plain", 2): cost(1000.0 * tokens), ("single_pass", 2): cost(9000.0 * tokens),
-             ("plain", 4): cost(2000.0 * tokens), ("single_pass", 4): cost(14000.0 * tokens)}  # fmt: skip
+    per_token = {("plain", 2): 1000.0, ("single_pass", 2): 9000.0,
+                 ("plain", 4): 2000.0, ("single_pass", 4): 14000.0}  # fmt: skip
+    costs = {key: cost(b * tokens) for key, b in per_token.items()}
     zero = dict.fromkeys(PARTS, 0)
     parts = {key: dict(zero) for key in costs}
     parts["single_pass", 2]["mhc_kernels"] = 400 * tokens
