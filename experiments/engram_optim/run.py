@@ -103,6 +103,7 @@ def measure(run, cfg, workdir: str, result: dict) -> dict:
         "state_bytes": total,
         "table_state_bytes": tables,
         "step_ms": float(np.median(step_ms)),
+        "machine": machine(),
     }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -209,6 +210,30 @@ def write_results(out_dir: str, setting: str, measured: dict, pending: list) -> 
     return tables
 
 
+def committed_runs(out_dir: str, setting: str) -> dict:
+    """The finished runs in <out_dir>/summary.json (committed with the experiment), by run
+    key (table params, optimizer, recipe, lr, seed), when it was written for this setting
+    and grid: a machine whose runs dir is empty (a fresh clone) continues the study instead
+    of retraining them. A row keeps the machine it ran on (rows written before rows carried
+    one take the summary's)."""
+    path = os.path.join(out_dir, "summary.json")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{path} is damaged ({e}); move it away to start afresh") from e
+    grid = json.loads(json.dumps(C.SETTINGS[setting]))
+    if summary.get("setting") != setting or summary.get("grid") != grid:
+        return {}
+    return {
+        (r["table_params"], r["optimizer"], r["recipe"], r["lr"], r["seed"]):
+        {**r, "machine": r.get("machine", summary.get("machine"))}
+        for r in summary["runs"]
+    }  # fmt: skip
+
+
 def planned(setting: str, measured: dict) -> list:
     """Every run to do now: stage 1, and stage 2 of the arms whose stage 1 is measured."""
     return C.first_stage(setting) + C.second_stage(setting, best_lrs(measured, setting))
@@ -234,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({row['vs_adam_5x']:.2f}x adam_5x)")  # fmt: skip
         return 0
     record_setting(runs_dir, __file__, args.setting)
-    measured: dict = {}
+    measured: dict = committed_runs(out_dir, args.setting)
     for run in planned(args.setting, measured):  # cached measurements first
         path = os.path.join(runs_dir, C.run_name(run), "cell.json")
         if os.path.exists(path):

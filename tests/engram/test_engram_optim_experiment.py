@@ -131,3 +131,27 @@ def test_a_stopped_run_is_not_measured_and_the_command_exits_1(tmp_path, monkeyp
         capsys.readouterr().out
     )
     assert not list((tmp_path / "runs").rglob("cell.json"))
+
+
+def test_committed_runs_are_reused_on_a_machine_with_an_empty_runs_dir(tmp_path):
+    """summary.json is committed with the experiment: its finished runs are picked up by
+    run key when the setting and grid match (a fresh clone continues the study), with the
+    machine they ran on; another grid reuses nothing; a damaged file is named."""
+    run, c = _module("run"), _module("config")
+    grid = json.loads(json.dumps(c.SETTINGS["quick"]))
+    row = {"optimizer": "adam", "recipe": "adamw", "placement": "device", "table_params": 1000,
+           "lr": 0.001, "seed": 0, "val_loss": 3.5}  # fmt: skip
+    summary = {"setting": "quick", "grid": grid, "machine": {"cpu": "old"},
+               "runs": [row, {**row, "lr": 0.003, "machine": {"cpu": "other"}}]}  # fmt: skip
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    got = run.committed_runs(str(tmp_path), "quick")
+    assert set(got) == {(1000, "adam", "adamw", 0.001, 0), (1000, "adam", "adamw", 0.003, 0)}
+    assert got[(1000, "adam", "adamw", 0.001, 0)]["machine"] == {"cpu": "old"}
+    assert got[(1000, "adam", "adamw", 0.003, 0)]["machine"] == {"cpu": "other"}
+    assert run.committed_runs(str(tmp_path), "full") == {}  # another setting
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "grid": {"steps": 1}}))
+    assert run.committed_runs(str(tmp_path), "quick") == {}
+    (tmp_path / "summary.json").write_text('{"runs": [')
+    with pytest.raises(SystemExit, match="summary.json is damaged"):
+        run.committed_runs(str(tmp_path), "quick")
+    assert run.committed_runs(str(tmp_path / "none"), "quick") == {}
