@@ -137,6 +137,42 @@ def _requests(prompts: np.ndarray, n: int, first_id: int = 0) -> list[Request]:
     ]
 
 
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event
+COMPILE_RETRIES = 2  # a timed run that compiled is run again, at most this many times
+
+
+class Compiles:
+    """Counts XLA compilations (jax.monitoring's backend-compile events) inside a `with`
+    block: a timed run that compiled a program its warm-up did not (a verify width or packed
+    size, a refill row count seen for the first time) timed the compiler too."""
+
+    def __enter__(self):
+        self.count, self.seconds = 0, 0.0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event == BACKEND_COMPILE:
+            self.count += 1
+            self.seconds += duration
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
+def timed_run(measure) -> dict:
+    """`measure()` again while it compiled (up to COMPILE_RETRIES more times: each run
+    compiles what it meets, so a rerun meets less); the last run, with "compiles" (how many
+    programs it compiled, 0 unless the retries ran out) and "reruns"."""
+    reruns = 0
+    while True:
+        with Compiles() as compiled:
+            res = measure()
+        if not compiled.count or reruns == COMPILE_RETRIES:
+            return res | {"compiles": compiled.count, "reruns": reruns}
+        reruns += 1
+
+
 def closed_loop(batcher: ContinuousBatcher, prompts, n: int, c: int) -> dict:
     """n requests, c in flight: a new request is submitted as each one finishes."""
     pending = iter(_requests(prompts, n))
@@ -303,8 +339,11 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
                     if C.WARMUP:  # an untimed run: it compiles the decoder's programs
                         closed_loop(batchers[name], prompts, C.REQUESTS[c], c)
                 res = {"decoder": name, "concurrency": c, "pass": p}
-                res |= closed_loop(batchers[name], prompts, C.REQUESTS[c], c)
-                print(f"  c={c} pass {p} {name}: {res['tokens_per_s']:.1f} tokens/s", flush=True)
+                b = batchers[name]
+                res |= timed_run(lambda b=b, c=c: closed_loop(b, prompts, C.REQUESTS[c], c))
+                print(f"  c={c} pass {p} {name}: {res['tokens_per_s']:.1f} tokens/s"
+                      + (f" ({res['reruns']} reruns: it compiled)" if res["reruns"] else ""),
+                      flush=True)  # fmt: skip
                 rows.append(stages.get(key, lambda res=res: res))
     plain = max(
         (r for r in rows if r["decoder"] == "plain" and r["concurrency"] == C.OPEN_SLOTS),
@@ -321,7 +360,7 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
                 b = make_batcher(name, C.OPEN_SLOTS, target, drafter, cost)
                 if C.WARMUP:
                     closed_loop(b, prompts, C.OPEN_SLOTS, C.OPEN_SLOTS)
-                res = open_loop(b, prompts, C.OPEN_REQUESTS, rate, C.SEED + j)
+                res = timed_run(lambda: open_loop(b, prompts, C.OPEN_REQUESTS, rate, C.SEED + j))
                 return {"decoder": name, "rate_fraction": frac, "rate_per_s": rate} | res
 
             open_rows.append(stages.get(key, measure))

@@ -152,3 +152,23 @@ def test_params_fingerprint_names_the_models_bits():
     same["b"][1] = 1e-7
     assert run.params_fingerprint(tree) != run.params_fingerprint(same)
     assert run.params_fingerprint(tree) != run.params_fingerprint({**tree, "w": tree["w"].T})
+
+
+def test_a_timed_run_that_compiled_is_run_again():
+    """Compiles counts the XLA compilations inside its block; timed_run reruns a measurement
+    that compiled (each run compiles what it meets) and gives up after COMPILE_RETRIES."""
+    import jax
+    import jax.numpy as jnp
+
+    run = _module("run")
+    f = jax.jit(lambda x: x * 3 + 1)
+    with run.Compiles() as first:
+        f(jnp.ones(7))
+    with run.Compiles() as again:
+        f(jnp.ones(7))
+    assert first.count >= 1 and again.count == 0
+    sizes = iter(range(100, 200))
+    res = run.timed_run(lambda: {"n": float(f(jnp.ones(5)).sum())})  # compiles once, reruns
+    assert res["reruns"] == 1 and res["compiles"] == 0 and res["n"] == 20.0
+    res = run.timed_run(lambda: {"n": float(f(jnp.ones(next(sizes))).sum())})  # always new
+    assert res["reruns"] == run.COMPILE_RETRIES and res["compiles"] >= 1
