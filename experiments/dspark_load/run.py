@@ -309,6 +309,7 @@ def expected_parts(names: list[str]) -> dict[str, list[str]]:
 def cost_part(w: dict, target, drafter, c: int) -> dict:
     """A group's cost tables as dicts, with the machine they were measured on."""
     cost = costs_at(w, target, drafter, c)
+    jax.clear_caches()  # free the timing programs (see load_study)
     return {"padded": cost["padded"].to_dict(), "ragged": cost["ragged"].to_dict(),
             "machine": machine_info()}  # fmt: skip
 
@@ -324,6 +325,11 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
     prompts = val_prompts(target, max(C.REQUESTS.values()), C.PROMPT_LEN)
     rows, costs = [], {}
     for c in C.CONCURRENCY:
+        # Every compiled program stays mapped in the process: the cost tables' and the
+        # decoders' programs of c = 1 and part of c = 4 ran XLA CPU out of memory mappings
+        # for code ("LLVM ERROR: Unable to allocate section memory", vm.max_map_count
+        # 65530). A group needs only its own programs.
+        jax.clear_caches()
         part = stages.get(f"costs/c{c}", lambda c=c: cost_part(w, target, drafter, c))
         costs[c] = {"padded": part["padded"], "ragged": part["ragged"]}
         cost, batchers = cost_tables(part), {}
@@ -349,6 +355,7 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
         (r for r in rows if r["decoder"] == "plain" and r["concurrency"] == C.OPEN_SLOTS),
         key=lambda r: r["tokens_per_s"],
     )
+    jax.clear_caches()
     part = stages.get("costs/open", lambda: cost_part(w, target, drafter, C.OPEN_SLOTS))
     open_rows, cost = [], cost_tables(part)
     for j, frac in enumerate(C.OPEN_RATES):
