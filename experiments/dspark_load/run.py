@@ -147,14 +147,13 @@ class Compiles:
     size, a refill row count seen for the first time) timed the compiler too."""
 
     def __enter__(self):
-        self.count, self.seconds = 0, 0.0
+        self.count = 0
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
         return self
 
     def _on_event(self, event: str, duration: float, **_) -> None:
         if event == BACKEND_COMPILE:
             self.count += 1
-            self.seconds += duration
 
     def __exit__(self, *exc) -> None:
         jax.monitoring.unregister_event_duration_listener(self._on_event)
@@ -271,7 +270,7 @@ class Stages:
         for name in self.parts:
             groups.setdefault(part_group(name), []).append(name)
         for group, names in groups.items():
-            done = set(complete.get(group, ())) <= set(names) and group in complete
+            done = group in complete and set(complete[group]) <= set(names)
             boots = {self.parts[n].get("boot") for n in names}
             if not done and boots != {self.boot}:
                 print(f"{self.path}: dropping {len(names)} parts of unfinished group {group} "
