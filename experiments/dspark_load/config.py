@@ -13,7 +13,10 @@ PROMPT_LEN = 32
 NEW_TOKENS = 48
 TEMPERATURE = 1.0
 PASSES = 2  # interleaved: every decoder once per pass at a concurrency, order alternating
-WARMUP = True  # one untimed run per decoder and concurrency first (it compiles)
+# Before its timed passes each decoder compiles every program a run can reach
+# (`ContinuousBatcher.precompile`: refills at every row count, every verify width or packed
+# size): a warm-up run met only some, and the scheduled decoders' timed runs compiled.
+PRECOMPILE = True
 DECODERS = ("plain", "fixed_L1", "fixed_L2", "fixed_L3", "fixed_L4", "fixed_L5",
             "scheduled_padded", "scheduled_ragged")  # fmt: skip
 # Open loop: Poisson arrivals into OPEN_SLOTS slots at these fractions of plain decoding's
@@ -33,7 +36,6 @@ QUICK = dict(
     PROMPT_LEN=8,
     NEW_TOKENS=6,
     PASSES=1,
-    WARMUP=False,
     DECODERS=("plain", "fixed_L2", "scheduled_padded", "scheduled_ragged"),
     OPEN_SLOTS=3,
     OPEN_RATES=(0.5,),

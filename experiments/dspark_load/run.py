@@ -11,9 +11,10 @@ scheduler on the padded and the ragged engine.
    0..K and ragged packed sizes; saved in the drafter's workdir), then closed-loop decoding:
    c requests always in flight (a new one submitted as each finishes) through
    `ContinuousBatcher(slots=c)`, config.REQUESTS[c] requests of config.NEW_TOKENS tokens at
-   config.TEMPERATURE, for every decoder of config.DECODERS. One untimed warm-up run per
-   decoder (it compiles), then config.PASSES timed passes, the decoders interleaved in an
-   order that alternates between passes.
+   config.TEMPERATURE, for every decoder of config.DECODERS. Each decoder first compiles
+   every program a run can reach (`ContinuousBatcher.precompile`), then config.PASSES timed
+   passes, the decoders interleaved in an order that alternates between passes; a timed
+   run that still compiled is run again (`timed_run`).
 3. Open loop: Poisson arrivals into config.OPEN_SLOTS slots at config.OPEN_RATES times plain
    decoding's closed-loop request rate there.
 Every finished part is kept in <out-dir>/stages.json (a rerun measures only what is missing);
@@ -41,7 +42,7 @@ C = experiment_module(HERE, "config")
 D = experiment_module(DEEP, "config")
 report = experiment_module(HERE, "report")
 
-from v41jax.bench.common import machine_info  # noqa: E402
+from v41jax.bench.common import CompileCounter, machine_info  # noqa: E402
 from v41jax.data.corpus import split_speeches_by_year  # noqa: E402
 from v41jax.decode.batching import ContinuousBatcher, PlainProposer, Request  # noqa: E402
 from v41jax.decode.engine import packed_buckets  # noqa: E402
@@ -137,26 +138,7 @@ def _requests(prompts: np.ndarray, n: int, first_id: int = 0) -> list[Request]:
     ]
 
 
-BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event
 COMPILE_RETRIES = 2  # a timed run that compiled is run again, at most this many times
-
-
-class Compiles:
-    """Counts XLA compilations (jax.monitoring's backend-compile events) inside a `with`
-    block: a timed run that compiled a program its warm-up did not (a verify width or packed
-    size, a refill row count seen for the first time) timed the compiler too."""
-
-    def __enter__(self):
-        self.count = 0
-        jax.monitoring.register_event_duration_secs_listener(self._on_event)
-        return self
-
-    def _on_event(self, event: str, duration: float, **_) -> None:
-        if event == BACKEND_COMPILE:
-            self.count += 1
-
-    def __exit__(self, *exc) -> None:
-        jax.monitoring.unregister_event_duration_listener(self._on_event)
 
 
 def timed_run(measure) -> dict:
@@ -165,7 +147,7 @@ def timed_run(measure) -> dict:
     programs it compiled, 0 unless the retries ran out) and "reruns"."""
     reruns = 0
     while True:
-        with Compiles() as compiled:
+        with CompileCounter() as compiled:
             res = measure()
         if not compiled.count or reruns == COMPILE_RETRIES:
             return res | {"compiles": compiled.count, "reruns": reruns}
@@ -341,8 +323,8 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
                     continue
                 if name not in batchers:
                     batchers[name] = make_batcher(name, c, target, drafter, cost)
-                    if C.WARMUP:  # an untimed run: it compiles the decoder's programs
-                        closed_loop(batchers[name], prompts, C.REQUESTS[c], c)
+                    if C.PRECOMPILE:
+                        batchers[name].precompile([prompts.shape[1]])
                 res = {"decoder": name, "concurrency": c, "pass": p}
                 b = batchers[name]
                 res |= timed_run(lambda b=b, c=c: closed_loop(b, prompts, C.REQUESTS[c], c))
@@ -364,8 +346,8 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
 
             def measure(name=name, rate=rate, frac=frac, j=j):
                 b = make_batcher(name, C.OPEN_SLOTS, target, drafter, cost)
-                if C.WARMUP:
-                    closed_loop(b, prompts, C.OPEN_SLOTS, C.OPEN_SLOTS)
+                if C.PRECOMPILE:
+                    b.precompile([prompts.shape[1]])
                 res = timed_run(lambda: open_loop(b, prompts, C.OPEN_REQUESTS, rate, C.SEED + j))
                 return {"decoder": name, "rate_fraction": frac, "rate_per_s": rate} | res
 

@@ -9,11 +9,14 @@ import importlib.util
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from v41jax.bench.common import CompileCounter
 from v41jax.decode import generate
 from v41jax.decode.batching import ContinuousBatcher, PlainProposer, Request
+from v41jax.decode.engine import packed_buckets
 from v41jax.decode.sampling import SamplingParams
 from v41jax.dspark.decode.rounds import DSparkProposer
 
@@ -151,3 +154,63 @@ def test_requests_that_cannot_fit_are_refused_with_their_lengths():
     # a request done at its prefill (one new token) completes too
     (done,) = batcher.run([Request([3, 4], 1, request_id="one")])
     np.testing.assert_array_equal(done.tokens, _alone(tp, [Request([3, 4], 1)])[None])
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpreadLengths:
+    """A draft-side policy that meets many programs: each row's length in [0, K] from its
+    first confidence's digits (the padded engine verifies the active rows' longest)."""
+
+    ragged: bool
+
+    def __call__(self, confidence_BxK, active_B, useful_B):
+        k = confidence_BxK.shape[1]
+        lens = (jnp.floor(confidence_BxK[:, 0] * 9973) % (k + 1)).astype(jnp.int32)
+        lens = jnp.where(active_B, jnp.minimum(lens, useful_B), 0)
+        return lens if self.ragged else jnp.max(lens)
+
+
+@pytest.mark.parametrize("verify", ["padded", "ragged"])
+def test_after_precompile_a_run_compiles_nothing_and_decodes_the_same(verify):
+    """`precompile` compiles every refill, verify and plain program a run can reach, on a
+    throwaway batch: the run after it compiles nothing (a batcher without it compiles:
+    the negative control) and samples exactly what the batcher without it samples."""
+    tp, dp, frozen, dcfg = LAW.models()
+    proposer = DSparkProposer(dcfg, TARGET)
+    policy = _SpreadLengths(verify == "ragged")
+    hot = SamplingParams(1.0)
+    ids = np.random.default_rng(4).integers(0, TARGET.vocab_size, 20).tolist()
+    requests = [  # prompts of 1 .. 20 tokens: two prompt widths (16, 32)
+        dataclasses.replace(r, prompt=ids[:n], sampling=hot)
+        for n, r in zip((1, 3, 5, 8, 11, 14, 17, 20, 2, 7), _requests(10, seed=4), strict=True)
+    ]
+
+    def batcher():  # 5 slots: a Static no other test compiles
+        return ContinuousBatcher(
+            tp, TARGET, (dp, frozen), proposer, slots=5, policy=policy, verify=verify,
+            rng=jax.random.key(3),
+        )  # fmt: skip
+
+    warm = batcher()
+    k = dcfg.block_size
+    want = (0, *packed_buckets(5, k)) if verify == "ragged" else tuple(range(k + 1))
+    assert warm.programs() == want
+    ran = warm.precompile([len(r.prompt) for r in requests])
+    assert ran == 1 + 2 * 4 + len(want)  # start, refills (2 widths x 1, 2, 4, 8 rows), programs
+    with CompileCounter() as compiled:
+        out = {c.request_id: c for c in warm.run(requests)}
+    assert compiled.count == 0
+    assert sum(c.drafted for c in out.values()) > 0
+    with CompileCounter() as cold:  # the same Static, a width precompile did not see
+        long = Request([2] * 40, 3, hot, request_id="long")
+        (done,) = warm.run([long])
+    assert cold.count > 0 and len(done.tokens) == 3
+    plain = {c.request_id: c for c in batcher().run(requests)}
+    for i, c in out.items():
+        np.testing.assert_array_equal(c.tokens, plain[i].tokens, err_msg=f"request {i}")
+        assert (c.drafted, c.accepted) == (plain[i].drafted, plain[i].accepted)
+    with pytest.raises(ValueError, match=r"prompt_lengths \[0, 3\]"):
+        warm.precompile([3, 0])
+    warm.submit(long)
+    with pytest.raises(RuntimeError, match="0 decoding, 1 queued"):
+        warm.precompile([3])

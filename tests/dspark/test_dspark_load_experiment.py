@@ -155,16 +155,19 @@ def test_params_fingerprint_names_the_models_bits():
 
 
 def test_a_timed_run_that_compiled_is_run_again():
-    """Compiles counts the XLA compilations inside its block; timed_run reruns a measurement
-    that compiled (each run compiles what it meets) and gives up after COMPILE_RETRIES."""
+    """CompileCounter counts the XLA compilations inside its block; timed_run reruns a
+    measurement that compiled (each run compiles what it meets) and gives up after
+    COMPILE_RETRIES."""
     import jax
     import jax.numpy as jnp
 
+    from v41jax.bench.common import CompileCounter
+
     run = _module("run")
     f = jax.jit(lambda x: x * 3 + 1)
-    with run.Compiles() as first:
+    with CompileCounter() as first:
         f(jnp.ones(7))
-    with run.Compiles() as again:
+    with CompileCounter() as again:
         f(jnp.ones(7))
     assert first.count >= 1 and again.count == 0
     sizes = iter(range(100, 200))

@@ -44,6 +44,26 @@ def time_interleaved(
     return times
 
 
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax.monitoring's event
+
+
+class CompileCounter:
+    """Counts XLA compilations (jax.monitoring's backend-compile events) inside a `with`
+    block: a timed region that compiled timed the compiler too."""
+
+    def __enter__(self) -> CompileCounter:
+        self.count = 0
+        jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        return self
+
+    def _on_event(self, event: str, duration: float, **_) -> None:
+        if event == BACKEND_COMPILE:
+            self.count += 1
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._on_event)
+
+
 def machine_info() -> dict[str, object]:
     import os
 

@@ -279,15 +279,74 @@ class ContinuousBatcher:
             self._ctx(), prompts, lengths, self._rng, self.st
         )
 
+    def _row_buckets(self) -> list[int]:
+        """The static row counts of `refill_rows`: 1, 2, 4, .. up to the first >= slots."""
+        sizes = [2**i for i in range(self.slots.bit_length() + 1)]
+        return sizes[: sizes.index(_bucket(self.slots, sizes)) + 1]
+
+    def _prompt_width(self, longest: int) -> int:
+        """The padded prompt width of a refill whose longest prompt has `longest` tokens."""
+        return min(-(-longest // self.width_step) * self.width_step, self.seq_len)
+
+    def programs(self) -> tuple[int, ...]:
+        """Every verify program a run can reach (`Draft.program`; 0 a plain segment):
+        padded, the policy's width (a fixed int) or every width 0 .. K (a callable);
+        ragged, every packed size (and 0 for a callable, which may verify nothing)."""
+        st, k = self.st, self.st.proposer.block_size
+        fixed = isinstance(st.policy, int)
+        if st.verify == "ragged":
+            return ((0,) if not fixed else ()) + tuple(x for x in st.buckets if x > 0)
+        return (st.policy,) if fixed else tuple(range(k + 1))
+
+    def precompile(self, prompt_lengths: Iterable[int]) -> int:
+        """Compile every program a run with prompts of these lengths can reach, so that no
+        timed run compiles: the empty batch's start, `refill_rows` at each row count and
+        prompt width, and every verify program (`programs`) with the plain segment. They
+        run on a throwaway empty batch (every row finished: a verify segment runs no round),
+        so the batcher's own state and random stream are untouched; it costs one more batch
+        state while it runs. Only while no request is queued or decoding. Returns how many
+        programs were run (each compiles once per process)."""
+        if self.busy or self._queue:
+            raise RuntimeError(
+                f"precompile needs an idle batcher: {self.busy} decoding, {self.waiting} queued"
+            )
+        lengths = sorted({int(n) for n in prompt_lengths})
+        if not lengths or lengths[0] < 1 or lengths[-1] + 1 > self.seq_len:
+            raise ValueError(
+                f"prompt_lengths {lengths} must be >= 1 and leave a slot in max_seq_len "
+                f"{self.seq_len}"
+            )
+        b, c, run = self.slots, self._ctx(), 1
+        prompts, ones = jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32)
+        state, draft, flags = host_start(c, prompts, ones, self._rng, self.st)
+        for width in sorted({self._prompt_width(n) for n in lengths}):
+            if width not in self._axes:
+                self._axes[width] = batch_axes(c, self.st, width)
+            for r in self._row_buckets():
+                nowhere = jnp.full((r,), self.slots, jnp.int32)  # every row writes nowhere
+                c_rows = self._ctx(np.zeros(r, np.int64))._replace(end_B=jnp.zeros(r, jnp.int32))
+                state, draft, flags = refill_rows(
+                    c, state, nowhere, jnp.zeros((r, width), jnp.int32),
+                    jnp.ones((r,), jnp.int32), c_rows, self.st, self._axes[width],
+                )  # fmt: skip
+                run += 1
+        for program in self.programs():
+            if program == 0:
+                state, draft, flags = plain_segment(c, state, draft, self.st, jnp.int32(1))
+            else:
+                state, draft, flags = host_segment(c, state, draft, self.st, program)
+            run += 1
+        jax.block_until_ready(flags)
+        return run
+
     def _refill(self) -> None:
         free = [i for i, s in enumerate(self._slots) if s is None]
         take = min(len(free), len(self._queue))
         if not take:
             return
         rows, reqs = free[:take], [self._queue.popleft() for _ in range(take)]
-        r_bucket = _bucket(take, [2**i for i in range(self.slots.bit_length() + 1)])
-        width = max(len(r.prompt) for r, _ in reqs)
-        width = min(-(-width // self.width_step) * self.width_step, self.seq_len)
+        r_bucket = _bucket(take, self._row_buckets())
+        width = self._prompt_width(max(len(r.prompt) for r, _ in reqs))
         prompts = np.zeros((r_bucket, width), np.int32)
         lengths = np.ones(r_bucket, np.int32)
         index = np.full(r_bucket, self.slots, np.int32)  # padding rows write nowhere
@@ -307,10 +366,11 @@ class ContinuousBatcher:
         )
         if width not in self._axes:
             self._axes[width] = batch_axes(self._ctx(), self.st, width)
+        # device_put, not jnp.asarray: that compiles a staging program per 2-D shape
+        index, prompts, lengths = jax.device_put((index, prompts, lengths))
         self._state, self._draft, self._flags = refill_rows(
-            self._ctx(), self._state, jnp.asarray(index), jnp.asarray(prompts),
-            jnp.asarray(lengths), c_rows, self.st, self._axes[width],
-        )  # fmt: skip
+            self._ctx(), self._state, index, prompts, lengths, c_rows, self.st, self._axes[width]
+        )
 
     def step(self) -> list[Completion]:
         """Refill free slots from the queue, run one segment; the requests that finished."""
@@ -339,8 +399,10 @@ class ContinuousBatcher:
         if not done:
             return []
         now = self.clock()
-        history = np.asarray(jax.device_get(self._state.history[np.asarray(done)]))
-        tally = np.asarray(jax.device_get(self._state.tally[:, np.asarray(done)]))
+        # whole arrays to the host, then the rows: indexing on device would compile a
+        # gather for every count of finished rows
+        history = np.asarray(jax.device_get(self._state.history))[np.asarray(done)]
+        tally = np.asarray(jax.device_get(self._state.tally))[:, np.asarray(done)]
         out = []
         for j, row in enumerate(done):
             slot = self._slots[row]
