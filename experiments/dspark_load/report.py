@@ -91,6 +91,14 @@ def render_tables(summary: dict) -> str:
         "",
         f"Machine: {m.get('cpu', m)}; commit {summary['commit']}; setting {summary['setting']}.",
         "",
+    ]
+    if summary.get("missing_groups"):
+        out += [
+            "**Partial** (`run.py --finished-only`): not measured yet: "
+            + ", ".join(summary["missing_groups"]) + ". The targets read the groups measured.",
+            "",
+        ]  # fmt: skip
+    out += [
         "## Targets",
         "",
     ]

@@ -355,6 +355,31 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
     return rows, open_rows, costs
 
 
+def finished_groups(stages: Stages, complete: dict) -> tuple[list, list, dict, list]:
+    """What the finished groups of `stages` hold, measuring nothing: (closed-loop rows of
+    every pass, open-loop rows, cost tables by concurrency, the unfinished groups' names).
+    A partial summary: each finished group was measured whole on one machine."""
+    rows, open_rows, costs, missing = [], [], {}, []
+    for group, names in complete.items():
+        if not set(names) <= set(stages.parts):
+            missing.append(group)
+            continue
+        for name in names:
+            part = stages.parts[name]
+            if name == "costs/open":
+                continue
+            if name.startswith("costs/"):
+                costs[int(name.removeprefix("costs/c"))] = {
+                    "padded": part["padded"],
+                    "ragged": part["ragged"],
+                }
+            elif group == "open":
+                open_rows.append(part)
+            else:
+                rows.append(part)
+    return rows, open_rows, costs, missing
+
+
 def best_passes(rows: list[dict]) -> list[dict]:
     """summary["load"]: per decoder and concurrency its fastest pass, with speedup_vs_plain
     against plain's fastest pass at that concurrency."""
@@ -402,6 +427,9 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", help="default results/ here (--quick: runs/dspark_load_quick)")
     p.add_argument("--stage", choices=("all", "train"), default="all")
     p.add_argument("--quick", action="store_true", help="a miniature of everything (tests)")
+    p.add_argument("--finished-only", action="store_true",
+                   help="measure nothing: summarise the finished groups of stages.json, "
+                        "naming the missing ones (a partial summary)")  # fmt: skip
     args = p.parse_args(argv)
     setting = "quick" if args.quick else "full"
     if args.quick:
@@ -419,7 +447,12 @@ def main(argv=None) -> int:
     complete = expected_parts(decoder_names(drafter[0].drafter.block_size))
     key = settings(target, drafter)
     stages = Stages(os.path.join(out_dir, "stages.json"), key, complete)
-    rows, open_rows, costs = load_study(w, target, drafter, stages)
+    if args.finished_only:
+        rows, open_rows, costs, missing = finished_groups(stages, complete)
+        if not rows:
+            sys.exit(f"{stages.path}: no finished group to summarise (missing {missing})")
+    else:
+        (rows, open_rows, costs), missing = load_study(w, target, drafter, stages), []
     summary = {
         "setting": setting,
         "machine": machine_info(),
@@ -430,6 +463,7 @@ def main(argv=None) -> int:
         "passes": rows,
         "open_loop": open_rows,
         "costs": {str(c): v for c, v in costs.items()},
+        "missing_groups": missing,
     }
     tmp = os.path.join(out_dir, "summary.json.tmp")
     with open(tmp, "w") as f:

@@ -142,6 +142,44 @@ def test_stages_resume_keeps_finished_groups_and_drops_unfinished_ones_from_anot
         run.Stages(str(path), {"a": 1}, complete)
 
 
+def test_a_partial_summary_reads_only_finished_groups_and_names_the_rest(tmp_path):
+    """`run.py --finished-only`: the finished groups' passes, open-loop runs and cost tables,
+    the unfinished groups named (and in tables.md), nothing of an unfinished group used."""
+    run, report = _module("run"), _module("report")
+    complete = {"closed/c1": ["costs/c1", "closed/c1/pass0/plain", "closed/c1/pass0/fixed_L1"],
+                "closed/c4": ["costs/c4", "closed/c4/pass0/plain"],
+                "open": ["costs/open", "open/0.5/plain"]}  # fmt: skip
+    table = {"tokens": [1, 2], "seconds": [0.01, 0.02]}
+    cost = {"padded": table, "ragged": {"rounds": table, "buckets": [1, 2],
+                                        "plain_seconds": 0.01}, "boot": "b"}  # fmt: skip
+
+    def row(name, tps):
+        return {"decoder": name, "concurrency": 1, "pass": 0, "tokens_per_s": tps,
+                "p50_latency_s": 1.0, "p99_latency_s": 1.5, "mean_verify_len": 0.0,
+                "acceptance": 0.0, "boot": "b"}  # fmt: skip
+
+    parts = {"costs/c1": cost, "closed/c1/pass0/plain": row("plain", 10.0),
+             "closed/c1/pass0/fixed_L1": row("fixed_L1", 15.0),
+             "costs/c4": cost}  # c4 unfinished; open not started  # fmt: skip
+    path = tmp_path / "stages.json"
+    path.write_text(json.dumps({"settings": {"a": 1}, "parts": parts}))
+    stages = run.Stages(str(path), {"a": 1}, complete)
+    rows, open_rows, costs, missing = run.finished_groups(stages, complete)
+    assert [r["decoder"] for r in rows] == ["plain", "fixed_L1"] and open_rows == []
+    assert list(costs) == [1] and costs[1] == {"padded": table, "ragged": cost["ragged"]}
+    assert missing == ["closed/c4", "open"]
+    load = run.best_passes(rows)
+    assert [(r["decoder"], r["speedup_vs_plain"]) for r in load] == [
+        ("plain", 1.0),
+        ("fixed_L1", 1.5),
+    ]
+    summary = {"setting": "full", "machine": {"cpu": "test cpu"}, "commit": "abc",
+               "drafter": {"block_size": 5}, "load": load, "open_loop": open_rows,
+               "costs": {"1": costs[1]}, "missing_groups": missing}  # fmt: skip
+    assert "not measured yet: closed/c4, open" in report.render_tables(summary)
+    assert "Partial" not in report.render_tables(summary | {"missing_groups": []})
+
+
 def test_params_fingerprint_names_the_models_bits():
     import numpy as np
 
