@@ -49,7 +49,7 @@ def render(experiment: str) -> str:
         from v41jax.sweep.report import render_from_results
 
         return render_from_results(os.path.join("experiments", "engram_vs_ffn"))
-    if experiment in ("mhc_stability", "spec_throughput", "dspark_deep"):
+    if experiment in ("mhc_stability", "spec_throughput", "dspark_deep", "dspark_load"):
         report = _module(f"experiments/{experiment}/report.py", f"{experiment}_report")
         return report.render_tables(_json("experiments", experiment, "results", "summary.json"))
     if experiment == "engram_scale":
@@ -76,7 +76,7 @@ def rendered_blocks(readme: str) -> list[str]:
 
 RENDERED = (
     "dspark", "engram_vs_ffn", "benchmarks", "mhc_stability", "spec_throughput", "engram_scale",
-    "dspark_deep", "engram_optim",
+    "dspark_deep", "engram_optim", "dspark_load",
 )  # fmt: skip
 
 
