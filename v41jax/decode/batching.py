@@ -271,18 +271,24 @@ class ContinuousBatcher:
         )
         return Ctx(*self._params, sampling, self._compression, jnp.asarray(self._end[sel]))
 
-    def _start(self) -> None:
-        """An empty batch: every slot a finished row."""
+    def _empty_batch(self):
+        """(state, draft, flags) of an empty batch: every slot a finished row."""
         b = self.slots
         prompts, lengths = jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32)
-        self._state, self._draft, self._flags = host_start(
-            self._ctx(), prompts, lengths, self._rng, self.st
-        )
+        return host_start(self._ctx(), prompts, lengths, self._rng, self.st)
+
+    def _start(self) -> None:
+        self._state, self._draft, self._flags = self._empty_batch()
+
+    def _batch_axes(self, width: int) -> tuple[int | None, ...]:
+        """`batch_axes` at a prompt width (computed once per width)."""
+        if width not in self._axes:
+            self._axes[width] = batch_axes(self._ctx(), self.st, width)
+        return self._axes[width]
 
     def _row_buckets(self) -> list[int]:
         """The static row counts of `refill_rows`: 1, 2, 4, .. up to the first >= slots."""
-        sizes = [2**i for i in range(self.slots.bit_length() + 1)]
-        return sizes[: sizes.index(_bucket(self.slots, sizes)) + 1]
+        return [2**i for i in range((self.slots - 1).bit_length() + 1)]
 
     def _prompt_width(self, longest: int) -> int:
         """The padded prompt width of a refill whose longest prompt has `longest` tokens."""
@@ -316,18 +322,15 @@ class ContinuousBatcher:
                 f"prompt_lengths {lengths} must be >= 1 and leave a slot in max_seq_len "
                 f"{self.seq_len}"
             )
-        b, c, run = self.slots, self._ctx(), 1
-        prompts, ones = jnp.zeros((b, 1), jnp.int32), jnp.ones((b,), jnp.int32)
-        state, draft, flags = host_start(c, prompts, ones, self._rng, self.st)
+        c, run = self._ctx(), 1
+        state, draft, flags = self._empty_batch()
         for width in sorted({self._prompt_width(n) for n in lengths}):
-            if width not in self._axes:
-                self._axes[width] = batch_axes(c, self.st, width)
             for r in self._row_buckets():
                 nowhere = jnp.full((r,), self.slots, jnp.int32)  # every row writes nowhere
                 c_rows = self._ctx(np.zeros(r, np.int64))._replace(end_B=jnp.zeros(r, jnp.int32))
                 state, draft, flags = refill_rows(
                     c, state, nowhere, jnp.zeros((r, width), jnp.int32),
-                    jnp.ones((r,), jnp.int32), c_rows, self.st, self._axes[width],
+                    jnp.ones((r,), jnp.int32), c_rows, self.st, self._batch_axes(width),
                 )  # fmt: skip
                 run += 1
         for program in self.programs():
@@ -364,13 +367,12 @@ class ContinuousBatcher:
         c_rows = self._ctx(sel)._replace(
             end_B=jnp.asarray(np.where(index < self.slots, self._end[sel], 0))
         )
-        if width not in self._axes:
-            self._axes[width] = batch_axes(self._ctx(), self.st, width)
         # device_put, not jnp.asarray: that compiles a staging program per 2-D shape
         index, prompts, lengths = jax.device_put((index, prompts, lengths))
         self._state, self._draft, self._flags = refill_rows(
-            self._ctx(), self._state, index, prompts, lengths, c_rows, self.st, self._axes[width]
-        )
+            self._ctx(), self._state, index, prompts, lengths, c_rows, self.st,
+            self._batch_axes(width),
+        )  # fmt: skip
 
     def step(self) -> list[Completion]:
         """Refill free slots from the queue, run one segment; the requests that finished."""
