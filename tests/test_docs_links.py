@@ -8,7 +8,7 @@ docstrings and comments of v41jax/**/*.py. In them:
 - path-like references that start at a top-level folder of the repository (`v41jax/`,
   `tests/`, `docs/`, `experiments/`, `scripts/`, `examples/`) must exist, relative to the
   repository root. Globs and templates (`tests/**/test_*.py`, `experiments/*/README.md`,
-  `loop_round_cost_b{B}.json`, `experiments/.../README.md`) are not references and are
+  `loop_round_cost_b{B}_s{S}.json`, `experiments/.../README.md`) are not references and are
   skipped, as is anything inside a longer path (`runs/dspark/drafters/...`);
 - dotted module references `v41jax.a.b[.name]` must name a module or package of the
   repository, and a trailing name after the module must occur in that module's source.
@@ -255,7 +255,7 @@ def test_readme_is_a_front_door_not_the_manual():
         ("`tests/**/test_lowering_*.py` and `experiments/*/README.md`", []),
         ("`experiments/.../README.md`", []),
         ("runs/dspark/drafters/dspark/x.json, runs/tiny, DIR", []),
-        ("`loop_round_cost_b{B}.json` in experiments/dspark/x_{B}.json", []),
+        ("`loop_round_cost_b{B}_s{S}.json` in experiments/dspark/x_{B}.json", []),
         ("python experiments/dspark/run.py --quick", ["experiments/dspark/run.py"]),
     ],
 )

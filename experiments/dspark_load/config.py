@@ -13,6 +13,11 @@ CONCURRENCY = (1, 64, 256, 4, 16, 128)
 REQUESTS = {1: 6, 4: 12, 16: 32, 64: 96, 128: 192, 256: 384}  # per closed-loop run
 PROMPT_LEN = 32
 NEW_TOKENS = 48
+# KV-cache and history slots per batch row (`with_context_len`): what a request needs,
+# prompt 32 + 48 new + the drafter's slack 2K + 1 = 91, rounded up to 16. Every decode round
+# reads the whole cache: at the target's max_seq_len (512) the cache, not the verified
+# tokens, set a round's cost at 64 rows.
+CONTEXT_LEN = 96
 TEMPERATURE = 1.0
 PASSES = 2  # interleaved: every decoder once per pass at a concurrency, order alternating
 # Before its timed passes each decoder compiles every program a run can reach
@@ -37,6 +42,7 @@ QUICK = dict(
     REQUESTS={1: 2, 3: 4},
     PROMPT_LEN=8,
     NEW_TOKENS=6,
+    CONTEXT_LEN=32,
     PASSES=1,
     DECODERS=("plain", "fixed_L2", "scheduled_padded", "scheduled_ragged"),
     OPEN_SLOTS=3,

@@ -10,7 +10,7 @@ scheduler on the padded and the ragged engine.
 2. Per concurrency c of config.CONCURRENCY: the round-cost tables at batch c (padded widths
    0..K and ragged packed sizes; saved in the drafter's workdir), then closed-loop decoding:
    c requests always in flight (a new one submitted as each finishes) through
-   `ContinuousBatcher(slots=c)`, config.REQUESTS[c] requests of config.NEW_TOKENS tokens at
+   `ContinuousBatcher(slots=c)` (caches of config.CONTEXT_LEN slots), config.REQUESTS[c] requests of config.NEW_TOKENS tokens at
    config.TEMPERATURE, for every decoder of config.DECODERS. Each decoder first compiles
    every program a run can reach (`ContinuousBatcher.precompile`), then config.PASSES timed
    passes, the decoders interleaved in an order that alternates between passes; a timed
@@ -46,6 +46,7 @@ from v41jax.bench.common import CompileCounter, machine_info  # noqa: E402
 from v41jax.data.corpus import split_speeches_by_year  # noqa: E402
 from v41jax.decode.batching import ContinuousBatcher, PlainProposer, Request  # noqa: E402
 from v41jax.decode.engine import packed_buckets  # noqa: E402
+from v41jax.decode.generate import with_context_len  # noqa: E402
 from v41jax.decode.sampling import SamplingParams  # noqa: E402
 from v41jax.dspark.analysis.study import val_prompts  # noqa: E402
 from v41jax.dspark.decode.engine import admission_for, load_or_measure_cost  # noqa: E402
@@ -96,7 +97,7 @@ def costs_at(w: dict, target, drafter, c: int) -> dict:
     """{"padded": CostTable, "ragged": RaggedCost} at batch c (measured once, kept in the
     drafter's workdir)."""
     run_cfg, params, _ = drafter
-    dcfg, tp, tcfg = run_cfg.drafter, target.params, target.cfg.model
+    dcfg, tp, tcfg = run_cfg.drafter, target.params, serving_cfg(target)
     kw = dict(rounds=C.COST_ROUNDS, passes=C.COST_PASSES)
     padded = load_or_measure_cost(w["drafter"], tp, tcfg, params, dcfg, c, **kw)
     sizes = ragged_sizes(c, dcfg.block_size, C.RAGGED_SIZES)
@@ -107,8 +108,14 @@ def costs_at(w: dict, target, drafter, c: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- decoding
+def serving_cfg(target):
+    """The target's config with config.CONTEXT_LEN cache slots per row (the parameters are
+    the same): the batchers and the cost tables decode with it."""
+    return with_context_len(target.cfg.model, C.CONTEXT_LEN)
+
+
 def make_batcher(name: str, slots: int, target, drafter, costs: dict) -> ContinuousBatcher:
-    tp, tcfg = target.params, target.cfg.model
+    tp, tcfg = target.params, serving_cfg(target)
     common = dict(slots=slots, compression=target.compression.table, rng=jax.random.key(C.SEED))
     if name == "plain":
         return ContinuousBatcher(tp, tcfg, None, PlainProposer(tcfg.vocab_size), policy=0, **common)

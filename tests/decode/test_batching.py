@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from v41jax.bench.common import CompileCounter
-from v41jax.decode import generate
+from v41jax.decode import generate, with_context_len
 from v41jax.decode.batching import ContinuousBatcher, PlainProposer, Request
 from v41jax.decode.engine import packed_buckets
 from v41jax.decode.sampling import SamplingParams
@@ -214,3 +214,33 @@ def test_after_precompile_a_run_compiles_nothing_and_decodes_the_same(verify):
     warm.submit(long)
     with pytest.raises(RuntimeError, match="0 decoding, 1 queued"):
         warm.precompile([3])
+
+
+def test_a_short_context_decodes_as_the_full_one_and_refuses_what_it_cannot_hold():
+    """`with_context_len`: caches of what the requests need (not max_seq_len) decode every
+    greedy request as plain `generate` at the full context does; the batcher refuses a
+    request longer than the short context, naming its lengths."""
+    tp, dp, frozen, dcfg = LAW.models()
+    requests = _requests(7, seed=3)
+    need = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    full = DSparkProposer(dcfg, TARGET)
+    short_cfg = with_context_len(TARGET, need + full.slack)
+    assert short_cfg.max_seq_len < TARGET.max_seq_len  # the test shortens something
+    want = _alone(tp, requests)
+    for verify, policy in (("ragged", 2), ("padded", 3)):
+        batcher = ContinuousBatcher(
+            tp, short_cfg, (dp, frozen), DSparkProposer(dcfg, short_cfg), slots=3,
+            policy=policy, verify=verify,
+        )  # fmt: skip
+        assert batcher.seq_len == need + full.slack
+        out = {c.request_id: c.tokens for c in batcher.run(requests)}
+        for r in requests:
+            np.testing.assert_array_equal(out[r.request_id], want[r.request_id])
+        too_long = Request([1] * 4, need - 3, request_id="long")
+        with pytest.raises(
+            ValueError, match=r"'long' cannot fit.*max_seq_len " + str(need + full.slack)
+        ):
+            batcher.submit(too_long)
+    for bad in (0, TARGET.max_seq_len + 1, True, 3.0):
+        with pytest.raises(ValueError, match="context_len"):
+            with_context_len(TARGET, bad)

@@ -8,7 +8,14 @@ transformer as that drafter (`speculative_generate`). The acceptance rule itself
 `v41jax.speculative` (pure math); the DSpark drafter plugs into the engine from `v41jax.dspark`.
 """
 
-from v41jax.decode.generate import DecodeState, decode_step, generate, init_cache, prefill
+from v41jax.decode.generate import (
+    DecodeState,
+    decode_step,
+    generate,
+    init_cache,
+    prefill,
+    with_context_len,
+)
 from v41jax.decode.sampling import (
     GREEDY,
     SamplingParams,
@@ -35,4 +42,5 @@ __all__ = [
     "sampling_plan",
     "sampling_probs",
     "speculative_generate",
+    "with_context_len",
 ]

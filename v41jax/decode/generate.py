@@ -10,6 +10,7 @@ tree under "params" (boxed or plain).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -65,6 +66,19 @@ def check_compression(cfg: ModelConfig, compression: jax.Array | None) -> None:
             "this model has Engram layers: pass `compression`, the tokenizer's compression "
             "table (int32 [vocab_size], original id -> compressed id)"
         )
+
+
+def with_context_len(cfg: ModelConfig, context_len: int) -> ModelConfig:
+    """`cfg` with `max_seq_len = context_len`: its KV caches and decode history hold that many
+    slots per row. Decoding reads and writes the whole cache every step, so a server whose
+    requests need S slots (prompt + new tokens + the drafter's slack) allocates S, not the
+    model's max_seq_len, and its step cost follows S. The parameters do not depend on it
+    (RoPE angles are computed from positions), so the same params decode with either config.
+    Shorter than the model's: positions past `max_seq_len` were never trained."""
+    n = context_len
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= cfg.max_seq_len:
+        raise ValueError(f"context_len={n!r} must be an int in [1, max_seq_len={cfg.max_seq_len}]")
+    return dataclasses.replace(cfg, max_seq_len=n)
 
 
 def init_cache(cfg: ModelConfig, batch_size: int, dtype: Any = None) -> dict[str, KVCache]:

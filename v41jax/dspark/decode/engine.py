@@ -372,13 +372,15 @@ def load_or_measure_cost(
     verify: Verify = "padded",
     sizes: tuple[int, ...] | None = None,
 ) -> CostTable | RaggedCost:
-    """The round-cost table saved with the drafter run for this batch size, measured on first
-    use (`loop_round_cost_b{B}.json`, or `ragged_round_cost_b{B}.json` for verify "ragged";
-    delete it to re-measure on another machine). Measuring compiles and times a decode per
+    """The round-cost table saved with the drafter run for this batch size and the target's
+    context length S = `target_cfg.max_seq_len` (a round reads the whole KV cache, so its cost
+    depends on S: `with_context_len`), measured on first use (`loop_round_cost_b{B}_s{S}.json`,
+    or `ragged_round_cost_b{B}_s{S}.json` for verify "ragged"; delete it to re-measure on
+    another machine). Measuring compiles and times a decode per
     width (packed size) and pass (`rounds`, `passes`: `measure_round_cost`); it says so on
     stderr and shows `progress`. `sizes`: the packed sizes to time (ragged)."""
     name = "ragged_round_cost" if verify == "ragged" else "loop_round_cost"
-    path = os.path.join(drafter_workdir, f"{name}_b{batch_size}.json")
+    path = os.path.join(drafter_workdir, f"{name}_b{batch_size}_s{target_cfg.max_seq_len}.json")
     if os.path.exists(path):
         return RaggedCost.load(path) if verify == "ragged" else CostTable.load(path)
     what = "packed sizes" if verify == "ragged" else f"verify widths 0..{drafter.block_size}"
