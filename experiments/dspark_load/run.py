@@ -10,9 +10,11 @@ scheduler on the padded and the ragged engine.
 2. Per concurrency c of config.CONCURRENCY: the round-cost tables at batch c (padded widths
    0..K and ragged packed sizes; saved in the drafter's workdir), then closed-loop decoding:
    c requests always in flight (a new one submitted as each finishes) through
-   `ContinuousBatcher(slots=c)` (caches of config.CONTEXT_LEN slots), config.REQUESTS[c] requests of config.NEW_TOKENS tokens at
-   config.TEMPERATURE, for every decoder of config.DECODERS. Each decoder first compiles
-   every program a run can reach (`ContinuousBatcher.precompile`), then config.PASSES timed
+   `ContinuousBatcher(slots=c)` (caches of config.CONTEXT_LEN slots), measured over the
+   config.REQUESTS[c] requests (config.NEW_TOKENS tokens at config.TEMPERATURE) that finish
+   after the first c (the steady state; `closed_loop`), for every decoder of
+   config.DECODERS. Each decoder first compiles every program a run can reach
+   (`ContinuousBatcher.precompile`), then config.PASSES timed
    passes, the decoders interleaved in an order that alternates between passes; a timed
    run that still compiled is run again (`timed_run`).
 3. Open loop: Poisson arrivals into config.OPEN_SLOTS slots at config.OPEN_RATES times plain
@@ -162,19 +164,29 @@ def timed_run(measure) -> dict:
 
 
 def closed_loop(batcher: ContinuousBatcher, prompts, n: int, c: int) -> dict:
-    """n requests, c in flight: a new request is submitted as each one finishes."""
-    pending = iter(_requests(prompts, n))
-    start = time.perf_counter()
-    for _ in range(min(c, n)):
+    """c requests always in flight (a new one submitted as each finishes), measured in the
+    steady state: over the n requests that finish after the first c (the batch starts empty
+    and its first wave finishes together), from the c-th completion to the last. The c
+    still in flight then are cancelled: a run that let the batch drain would decode its end
+    at falling concurrency."""
+    pending = iter(_requests(prompts, n + 3 * c))  # a step can finish up to c at once
+    for _ in range(c):
         batcher.submit(next(pending))
     done = []
-    while batcher.busy or batcher.waiting:
+    while len(done) < c + n:
         finished = batcher.step()
         done += finished
         for _ in finished:
-            if (r := next(pending, None)) is not None:
-                batcher.submit(r)
-    return measured(done, time.perf_counter() - start)
+            batcher.submit(next(pending))
+    batcher.cancel()
+    return steady_state(done, c, n)
+
+
+def steady_state(done: list, c: int, n: int) -> dict:
+    """`measured` over completions c .. c + n - 1 (completion order), the window from the
+    c-th completion's finish to the last one's."""
+    window = done[c : c + n]
+    return measured(window, window[-1].finished_s - done[c - 1].finished_s)
 
 
 def open_loop(batcher: ContinuousBatcher, prompts, n: int, rate: float, seed: int) -> dict:

@@ -244,3 +244,23 @@ def test_a_short_context_decodes_as_the_full_one_and_refuses_what_it_cannot_hold
     for bad in (0, TARGET.max_seq_len + 1, True, 3.0):
         with pytest.raises(ValueError, match="context_len"):
             with_context_len(TARGET, bad)
+
+
+def test_cancel_drops_queued_and_decoding_requests_and_the_batcher_goes_on_exactly():
+    """`cancel` empties the queue and frees every slot mid-decode; requests submitted after
+    it decode as they would alone (greedy), untouched by the rows that were dropped."""
+    tp, *_ = LAW.models()
+    batcher = ContinuousBatcher(tp, TARGET, None, PlainProposer(TARGET.vocab_size), slots=2,
+                                policy=0)  # fmt: skip
+    for r in _requests(5, seed=5):
+        batcher.submit(dataclasses.replace(r, max_new_tokens=max(r.max_new_tokens, 5)))
+    batcher.step()  # two decoding, three queued (nothing finishes in one short segment)
+    assert (batcher.busy, batcher.waiting) == (2, 3)
+    assert batcher.cancel() == 5
+    assert (batcher.busy, batcher.waiting) == (0, 0)
+    later = _requests(3, seed=6)
+    out = {c.request_id: c.tokens for c in batcher.run(later)}
+    assert sorted(out) == [0, 1, 2]
+    want = _alone(tp, later)
+    for r in later:
+        np.testing.assert_array_equal(out[r.request_id], want[r.request_id])

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -213,3 +214,69 @@ def test_a_timed_run_that_compiled_is_run_again():
     assert res["reruns"] == 1 and res["compiles"] == 0 and res["n"] == 20.0
     res = run.timed_run(lambda: {"n": float(f(jnp.ones(next(sizes))).sum())})  # always new
     assert res["reruns"] == run.COMPILE_RETRIES and res["compiles"] >= 1
+
+
+class _FakeBatcher:
+    """A batcher whose requests each finish `steps` steps after they start, one step = one
+    second of its clock, `slots` at a time (FIFO): closed_loop's bookkeeping without a model."""
+
+    def __init__(self, slots, steps=3):
+        import collections
+
+        self.slots, self.steps, self.t = slots, steps, 0.0
+        self.queue, self.running, self.cancelled, self.most_busy = collections.deque(), [], 0, 0
+
+    def submit(self, request):
+        self.queue.append((request, self.t))
+
+    @property
+    def busy(self):
+        return len(self.running)
+
+    @property
+    def waiting(self):
+        return len(self.queue)
+
+    def step(self):
+        from v41jax.decode.batching import Completion
+
+        while self.queue and len(self.running) < self.slots:
+            req, when = self.queue.popleft()
+            self.running.append([req, when, self.t, 0])
+        self.most_busy = max(self.most_busy, len(self.running))
+        self.t += 1.0
+        out, keep = [], []
+        for r in self.running:
+            r[3] += 1
+            if r[3] == self.steps:
+                tokens = np.zeros(r[0].max_new_tokens, np.int32)
+                out.append(Completion(r[0].request_id, tokens, 3, 6, 3, r[1], r[2], self.t))
+            else:
+                keep.append(r)
+        self.running = keep
+        return out
+
+    def cancel(self):
+        dropped = len(self.queue) + len(self.running)
+        self.queue.clear()
+        self.running = []
+        self.cancelled += dropped
+        return dropped
+
+
+def test_the_closed_loop_keeps_c_in_flight_and_measures_the_steady_state():
+    """closed_loop: the batch never drains (every slot busy until the end), the n requests
+    after the first c are measured from the c-th completion to the last, and the c still in
+    flight are cancelled. With every request 3 steps long at c slots: c requests per 3 s."""
+    run = _module("run")
+    prompts = np.ones((5, 4), np.int32)
+    for c, n in ((1, 4), (4, 8), (4, 6)):
+        b = _FakeBatcher(c)
+        res = run.closed_loop(b, prompts, n, c)
+        assert res["requests"] == n and b.most_busy == c and b.cancelled == c
+        assert b.busy == 0 and b.waiting == 0
+        new_tokens = run.C.NEW_TOKENS
+        # waves of c requests every 3 s: n requests after the first wave take 3 n / c s
+        assert res["wall_s"] == pytest.approx(3.0 * -(-n // c))
+        assert res["tokens"] == n * new_tokens
+        assert res["p50_latency_s"] == pytest.approx(3.0)  # submitted as its slot freed

@@ -418,6 +418,15 @@ class ContinuousBatcher:
             self._slots[row], self._end[row] = None, 0
         return out
 
+    def cancel(self) -> int:
+        """Drop every queued request and stop every decoding one (nothing is returned for
+        them; their slots are free for the next requests). Returns how many were dropped."""
+        dropped = len(self._queue) + self.busy
+        self._queue.clear()
+        self._slots = [None] * self.slots
+        self._end[:] = 0  # a free slot is a finished row: the next segment skips it
+        return dropped
+
     def run(self, requests: Iterable[Request]) -> list[Completion]:
         """Submit every request now and decode until all are done (completion order)."""
         for r in requests:
