@@ -75,6 +75,29 @@ def findings(summary: dict) -> list[str]:
     return out
 
 
+def loop_efficiency(summary: dict) -> list[dict]:
+    """How close continuous batching runs to the round-cost table, per fixed decoder (plain,
+    fixed L) and concurrency c: the table's rate c (1 + a L) / seconds(L) (a: the run's
+    acceptance, so 1 + a L tokens per row and round; L = 0 for plain) against the measured
+    tokens/s. The gap is what the table's whole-segment rounds do not pay: refills (a
+    prefill and a drafter pass each), a segment per finished row, and rows finishing
+    mid-round. Each row {"decoder", "concurrency", "table_tokens_per_s", "efficiency"}."""
+    out = []
+    for r in summary["load"]:
+        name, c = r["decoder"], r["concurrency"]
+        if name != "plain" and name not in FIXED:
+            continue
+        width = 0 if name == "plain" else int(name.removeprefix("fixed_L"))
+        padded = summary["costs"][str(c)]["padded"]
+        seconds = dict(zip(padded["tokens"], padded["seconds"], strict=True)).get(c * (1 + width))
+        if seconds is None:  # a table without that width
+            continue
+        ideal = c * (1 + r["acceptance"] * width) / seconds
+        out.append({"decoder": name, "concurrency": c, "table_tokens_per_s": ideal,
+                    "efficiency": r["tokens_per_s"] / ideal})  # fmt: skip
+    return out
+
+
 def _table(header: list[str], body: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     return lines + ["| " + " | ".join(str(x) for x in row) + " |" for row in body]
@@ -137,6 +160,12 @@ def render_tables(summary: dict) -> str:
     k = summary["drafter"]["block_size"]
     out += _table(["concurrency", "plain round (ms)", f"round verifying K = {k} (ms)",
                    "ratio", "ragged ms per packed token (largest size)"], body)  # fmt: skip
+    out += ["", "## Measured / the cost table's rate (continuous batching's overhead)", ""]
+    eff = {(e["decoder"], e["concurrency"]): e for e in loop_efficiency(summary)}
+    body = [[n, *[("" if (e := eff.get((n, c))) is None else
+                   f"{e['efficiency']:.2f} (of {e['table_tokens_per_s']:.0f})") for c in levels]]
+            for n in names if n == "plain" or n in FIXED]  # fmt: skip
+    out += _table(["decoder", *[f"c = {c}" for c in levels]], body)
     if summary.get("open_loop"):
         out += ["", "## Open loop (Poisson arrivals)", ""]
         body = [[r["decoder"], f"{r['rate_fraction']:.2f}", f"{r['rate_per_s']:.2f}",

@@ -41,7 +41,8 @@ def _summary(speed):
     return {
         "setting": "full", "machine": {"cpu": "test cpu"}, "commit": "abc1234",
         "drafter": {"block_size": 5}, "load": rows, "open_loop": [],
-        "costs": {c: {"padded": {"tokens": [c, 6 * c], "seconds": [0.02, 0.05]},
+        "costs": {c: {"padded": {"tokens": [int(c) * (1 + w) for w in range(6)],
+                              "seconds": [0.02 + 0.006 * w for w in range(6)]},
                       "ragged": {"rounds": table, "buckets": [1, 2, 8], "plain_seconds": 0.02}}
                   for c in ("1", "64")},
     }  # fmt: skip
@@ -61,6 +62,13 @@ def test_targets_and_findings_read_the_rows():
     assert found[0] == "fixed L = 5 falls below plain at concurrency 64"
     text = report.render_tables(_summary(speed))
     assert "## Targets" in text and "231.0 (1.16x)" in text and "test cpu" in text
+    # the cost table's rate: plain c / 0.02 s; L = 5 at acceptance 0.6: c (1 + 3) / 0.05 s
+    eff = {(e["decoder"], e["concurrency"]): e for e in report.loop_efficiency(_summary(speed))}
+    assert set(eff) == {(n, c) for n in ("plain", "fixed_L5", "fixed_L2") for c in (1, 64)}
+    assert eff[("plain", 1)]["efficiency"] == pytest.approx(40 / 50)
+    assert eff[("fixed_L5", 64)]["table_tokens_per_s"] == pytest.approx(64 * 4 / 0.05)
+    assert eff[("fixed_L2", 1)]["efficiency"] == pytest.approx(70 / (2.2 / 0.032))
+    assert "0.80 (of 50)" in text
 
 
 def test_best_passes_keep_each_decoders_fastest_pass_and_price_it_against_plains():
