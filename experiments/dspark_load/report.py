@@ -79,9 +79,10 @@ def loop_efficiency(summary: dict) -> list[dict]:
     """How close continuous batching runs to the round-cost table, per fixed decoder (plain,
     fixed L) and concurrency c: the table's rate c (1 + a L) / seconds(L) (a: the run's
     acceptance, so 1 + a L tokens per row and round; L = 0 for plain) against the measured
-    tokens/s. The gap is what the table's whole-segment rounds do not pay: refills (a
-    prefill and a drafter pass each), a segment per finished row, and rows finishing
-    mid-round. Each row {"decoder", "concurrency", "table_tokens_per_s", "efficiency"}."""
+    tokens/s. The table times decode rounds only; the gap is what serving adds: each
+    request's prefill (its whole prompt through the target, which speculation does not
+    speed up), the drafter pass of every refill, a segment end per finish, and rows
+    finishing mid-round. Each row {"decoder", "concurrency", "table_tokens_per_s", "efficiency"}."""
     out = []
     for r in summary["load"]:
         name, c = r["decoder"], r["concurrency"]
@@ -160,7 +161,11 @@ def render_tables(summary: dict) -> str:
     k = summary["drafter"]["block_size"]
     out += _table(["concurrency", "plain round (ms)", f"round verifying K = {k} (ms)",
                    "ratio", "ragged ms per packed token (largest size)"], body)  # fmt: skip
-    out += ["", "## Measured / the cost table's rate (continuous batching's overhead)", ""]
+    out += [
+        "",
+        "## Measured / the cost table's decode-only rate (prefill and refills are the rest)",
+        "",
+    ]
     eff = {(e["decoder"], e["concurrency"]): e for e in loop_efficiency(summary)}
     body = [[n, *[("" if (e := eff.get((n, c))) is None else
                    f"{e['efficiency']:.2f} (of {e['table_tokens_per_s']:.0f})") for c in levels]]
