@@ -8,9 +8,9 @@ request back (`Completion`), and refills free slots with waiting requests betwee
 
     refill:  prefill the new prompts (target KV cache, the drafter's state, the first token
              sampled at the prompt's last position), written into their slots (`refill_rows`,
-             one program per (number of new rows, prompt width) bucket), then one drafter
-             pass over the whole batch (the refilled rows need drafts; the other rows' drafts
-             are drawn afresh, which keeps the law: the discarded ones were never verified);
+             one program per (number of new rows, prompt width) bucket), and a drafter pass
+             over the new rows only; the other rows keep their unverified drafts, and the
+             policy decides the round's lengths for the whole batch again;
     segment: rounds at one verify program until it changes or a row finishes (host loop).
 
 A request's output does not depend on the others: every row reads only its own cache rows,
@@ -18,7 +18,7 @@ history and position (attention, the ragged packing and Engram's ids are per row
 drafter's context is per row), so greedy output equals decoding the request alone, whatever
 joined or left beside it. Sampling settings and lengths are per request (the engine's
 settings are per-row arrays; a free slot is a finished row, end 0). The cost of refilling:
-one prefill per refill and one extra drafter pass per refill event.
+one prefill and one drafter pass of the new rows per refill event.
 
 Plain decoding runs through the same loop with `PlainProposer` and policy 0 (every round a
 plain round, no drafter pass), so decoders are compared under the same batching.
@@ -43,13 +43,16 @@ from v41jax.decode.engine import (
     MAX_PLAIN_ROUNDS,
     VERIFY_ENGINES,
     Ctx,
+    Draft,
     Proposal,
     State,
     Static,
+    draft_step,
     packed_buckets,
     prefill,
+    verify_plan,
 )
-from v41jax.decode.loops import draft_with_flags, host_segment, host_start, plain_segment
+from v41jax.decode.loops import host_flags, host_segment, host_start, plain_segment
 from v41jax.decode.sampling import GREEDY, SamplingParams
 
 
@@ -143,16 +146,25 @@ def batch_axes(c: Ctx, st: Static, prompt_width: int) -> tuple[int | None, ...]:
     return tuple(axes)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "axes"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("st", "axes"), donate_argnames=("state", "draft"))
 def refill_rows(
-    c: Ctx, state: State, rows_R, prompts_RxP, lengths_R, c_rows: Ctx, st: Static, axes
-):
+    c: Ctx, state: State, draft: Draft, rows_R, prompts_RxP, lengths_R, c_rows: Ctx,
+    st: Static, axes,
+):  # fmt: skip
     """Prefill R new prompts (right-padded [R, P], lengths [R]) with `c_rows` (their sampling
-    settings and ends) and write them into slots `rows_R` of `state` (a row index B writes
-    nowhere: padding of the R bucket); then one drafter pass over the whole batch. Returns
-    (state, draft, host flags) as `host_start` does."""
-    rng, key = jax.random.split(state.rng)
-    new = prefill(c_rows, prompts_RxP, lengths_R, key, st)
+    settings and ends), draft for those R rows only, and write both into slots `rows_R` of
+    `state` and `draft` (a row index B writes nowhere: padding of the R bucket); then the
+    policy decides the round's lengths for the whole batch (`verify_plan`). Returns (state,
+    draft, host flags) as `host_start` does.
+
+    The other rows keep their drafts: drawn at the end of the last segment and never
+    verified, they are what a round without the refill would have verified, so the law is
+    kept. (Drafting the whole batch again would cost a drafter pass over every row per
+    refill, which at high concurrency, where rows finish nearly every round, is a second
+    pass per round.) The verify key and the next round's key come from `draft`, unused so
+    far; the new rows' keys are split from its `rng`."""
+    rng, key = jax.random.split(draft.rng)
+    new, new_draft = draft_step(c_rows, prefill(c_rows, prompts_RxP, lengths_R, key, st), st)
     big, tree = jax.tree.flatten(state)
     small = tree.flatten_up_to(new)
     out = []
@@ -162,8 +174,15 @@ def refill_rows(
             continue
         index = (slice(None),) * ax + (rows_R,)
         out.append(x.at[index].set(y.astype(x.dtype), mode="drop"))
-    merged = jax.tree.unflatten(tree, out)._replace(rng=rng, r=state.r)
-    return draft_with_flags(c, merged, st)
+    merged = jax.tree.unflatten(tree, out)._replace(rng=state.rng, r=state.r)
+    proposal = jax.tree.map(
+        lambda x, y: x.at[rows_R].set(y.astype(x.dtype), mode="drop"),
+        draft.proposal,
+        new_draft.proposal,
+    )
+    lens, program = verify_plan(c, merged, proposal, st)
+    d = Draft(rng, draft.verify_key, proposal, lens, program)
+    return merged, d, host_flags(c, merged, d)
 
 
 def _bucket(n: int, sizes: Sequence[int]) -> int:
@@ -329,7 +348,7 @@ class ContinuousBatcher:
                 nowhere = jnp.full((r,), self.slots, jnp.int32)  # every row writes nowhere
                 c_rows = self._ctx(np.zeros(r, np.int64))._replace(end_B=jnp.zeros(r, jnp.int32))
                 state, draft, flags = refill_rows(
-                    c, state, nowhere, jnp.zeros((r, width), jnp.int32),
+                    c, state, draft, nowhere, jnp.zeros((r, width), jnp.int32),
                     jnp.ones((r,), jnp.int32), c_rows, self.st, self._batch_axes(width),
                 )  # fmt: skip
                 run += 1
@@ -370,7 +389,7 @@ class ContinuousBatcher:
         # device_put, not jnp.asarray: that compiles a staging program per 2-D shape
         index, prompts, lengths = jax.device_put((index, prompts, lengths))
         self._state, self._draft, self._flags = refill_rows(
-            self._ctx(), self._state, index, prompts, lengths, c_rows, self.st,
+            self._ctx(), self._state, self._draft, index, prompts, lengths, c_rows, self.st,
             self._batch_axes(width),
         )  # fmt: skip
 

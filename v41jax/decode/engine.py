@@ -328,7 +328,7 @@ def any_active(c: Ctx, state: State) -> jax.Array:
 
 def draft_step(c: Ctx, state: State, st: Static) -> tuple[State, Draft]:
     """Step 1 of the round: the proposal and the verify width."""
-    prop, k = st.proposer, st.proposer.block_size
+    prop = st.proposer
     rng, k_draft, k_verify = jax.random.split(state.rng, 3)
     active = state.pos + 1 < c.end_B
     proposal, dstate = prop.propose(
@@ -341,6 +341,16 @@ def draft_step(c: Ctx, state: State, st: Static) -> tuple[State, Draft]:
         probs_fn(c.sampling),
         c.compression,
     )
+    lens, program = verify_plan(c, state, proposal, st)
+    return state._replace(drafter_state=dstate), Draft(rng, k_verify, proposal, lens, program)
+
+
+def verify_plan(c: Ctx, state: State, proposal: Proposal, st: Static):
+    """(verify_len int32 [B], program int32 []): the policy's lengths for this proposal
+    (draft-side information only: confidences, active rows, useful drafts) and the compiled
+    verify that runs them."""
+    k = st.proposer.block_size
+    active = state.pos + 1 < c.end_B
     # drafts past a row's last needed token add nothing: pos + 1 + j <= end - 1
     useful = jnp.clip(c.end_B - 2 - state.pos, 0, k).astype(jnp.int32)
     if st.verify == "ragged":
@@ -349,15 +359,13 @@ def draft_step(c: Ctx, state: State, st: Static) -> tuple[State, Draft]:
         else:
             lens = jnp.asarray(st.policy(proposal.confidence, active, useful), jnp.int32)
         lens = jnp.where(active, jnp.clip(lens, 0, k), 0).astype(jnp.int32)
-        program = ragged_program(jnp.where(active, 1 + lens, 0), lens, active, st.buckets)
-        return state._replace(drafter_state=dstate), Draft(rng, k_verify, proposal, lens, program)
+        return lens, ragged_program(jnp.where(active, 1 + lens, 0), lens, active, st.buckets)
     if isinstance(st.policy, int):
         width = jnp.int32(st.policy)
     else:
         width = jnp.asarray(st.policy(proposal.confidence, active, useful), jnp.int32)
     # A padded verify costs the same for every row, so every active row verifies `width`.
-    lens = jnp.where(active, width, 0).astype(jnp.int32)
-    return state._replace(drafter_state=dstate), Draft(rng, k_verify, proposal, lens, width)
+    return jnp.where(active, width, 0).astype(jnp.int32), width
 
 
 def bucket_ceil(tokens, buckets: tuple[int, ...]):
