@@ -47,13 +47,12 @@ from v41jax.decode.engine import (
     Proposal,
     State,
     Static,
-    draft_step,
     packed_buckets,
     prefill,
     verify_plan,
 )
 from v41jax.decode.loops import host_flags, host_segment, host_start, plain_segment
-from v41jax.decode.sampling import GREEDY, SamplingParams
+from v41jax.decode.sampling import GREEDY, SamplingParams, probs_fn
 
 
 @dataclass(frozen=True)
@@ -163,8 +162,14 @@ def refill_rows(
     refill, which at high concurrency, where rows finish nearly every round, is a second
     pass per round.) The verify key and the next round's key come from `draft`, unused so
     far; the new rows' keys are split from its `rng`."""
-    rng, key = jax.random.split(draft.rng)
-    new, new_draft = draft_step(c_rows, prefill(c_rows, prompts_RxP, lengths_R, key, st), st)
+    rng, key, k_draft = jax.random.split(draft.rng, 3)
+    new = prefill(c_rows, prompts_RxP, lengths_R, key, st)
+    # the proposer alone (not `draft_step`): the policy decides once, for the whole batch
+    new_proposal, dstate = st.proposer.propose(
+        c.drafter_params, new.drafter_state, new.history, new.pos, new.pos + 1 < c_rows.end_B,
+        k_draft, probs_fn(c_rows.sampling), c.compression,
+    )  # fmt: skip
+    new = new._replace(drafter_state=dstate)
     big, tree = jax.tree.flatten(state)
     small = tree.flatten_up_to(new)
     out = []
@@ -178,7 +183,7 @@ def refill_rows(
     proposal = jax.tree.map(
         lambda x, y: x.at[rows_R].set(y.astype(x.dtype), mode="drop"),
         draft.proposal,
-        new_draft.proposal,
+        new_proposal,
     )
     lens, program = verify_plan(c, merged, proposal, st)
     d = Draft(rng, draft.verify_key, proposal, lens, program)
