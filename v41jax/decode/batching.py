@@ -49,10 +49,11 @@ from v41jax.decode.engine import (
     Static,
     packed_buckets,
     prefill,
+    propose_rows,
     verify_plan,
 )
 from v41jax.decode.loops import host_flags, host_segment, host_start, plain_segment
-from v41jax.decode.sampling import GREEDY, SamplingParams, probs_fn
+from v41jax.decode.sampling import GREEDY, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -163,13 +164,10 @@ def refill_rows(
     pass per round.) The verify key and the next round's key come from `draft`, unused so
     far; the new rows' keys are split from its `rng`."""
     rng, key, k_draft = jax.random.split(draft.rng, 3)
-    new = prefill(c_rows, prompts_RxP, lengths_R, key, st)
     # the proposer alone (not `draft_step`): the policy decides once, for the whole batch
-    new_proposal, dstate = st.proposer.propose(
-        c.drafter_params, new.drafter_state, new.history, new.pos, new.pos + 1 < c_rows.end_B,
-        k_draft, probs_fn(c_rows.sampling), c.compression,
-    )  # fmt: skip
-    new = new._replace(drafter_state=dstate)
+    new, new_proposal = propose_rows(
+        c_rows, prefill(c_rows, prompts_RxP, lengths_R, key, st), st, k_draft
+    )
     big, tree = jax.tree.flatten(state)
     small = tree.flatten_up_to(new)
     out = []

@@ -328,21 +328,26 @@ def any_active(c: Ctx, state: State) -> jax.Array:
 
 def draft_step(c: Ctx, state: State, st: Static) -> tuple[State, Draft]:
     """Step 1 of the round: the proposal and the verify width."""
-    prop = st.proposer
     rng, k_draft, k_verify = jax.random.split(state.rng, 3)
-    active = state.pos + 1 < c.end_B
-    proposal, dstate = prop.propose(
+    state, proposal = propose_rows(c, state, st, k_draft)
+    lens, program = verify_plan(c, state, proposal, st)
+    return state, Draft(rng, k_verify, proposal, lens, program)
+
+
+def propose_rows(c: Ctx, state: State, st: Static, key) -> tuple[State, Proposal]:
+    """The proposer's drafts for every row of `state` (the policy not consulted), and the
+    state with the drafter's new state."""
+    proposal, dstate = st.proposer.propose(
         c.drafter_params,
         state.drafter_state,
         state.history,
         state.pos,
-        active,
-        k_draft,
+        state.pos + 1 < c.end_B,
+        key,
         probs_fn(c.sampling),
         c.compression,
     )
-    lens, program = verify_plan(c, state, proposal, st)
-    return state._replace(drafter_state=dstate), Draft(rng, k_verify, proposal, lens, program)
+    return state._replace(drafter_state=dstate), proposal
 
 
 def verify_plan(c: Ctx, state: State, proposal: Proposal, st: Static):
