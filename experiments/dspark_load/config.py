@@ -8,8 +8,8 @@ trained here with the same settings). `QUICK` shrinks everything for the slow sm
 """
 
 # closed loop: this many requests always in flight. Measured in this order: the targets'
-# ends (1 and the top) and the open loop's 64 first, so a run cut short has them.
-CONCURRENCY = (1, 64, 256, 4, 16, 128)
+# ends (the top and 1) and the open loop's 64 first, so a run cut short has them.
+CONCURRENCY = (256, 1, 64, 4, 16, 128)
 # per closed-loop run: the requests measured, those that finish after the first c (the
 # steady state; the c in flight at the end are cancelled). At temperature 1 a run's speed
 # follows the text it samples (easy continuations accept more drafts): 6 requests at c = 1
@@ -30,6 +30,12 @@ PASSES = 2  # interleaved: every decoder once per pass at a concurrency, order a
 PRECOMPILE = True
 DECODERS = ("plain", "fixed_L1", "fixed_L2", "fixed_L3", "fixed_L4", "fixed_L5",
             "scheduled_padded", "scheduled_ragged")  # fmt: skip
+# The scheduled decoders also measure, as they serve, the throughput of their drafted
+# segments and of plain runs, and turn drafting off while plain is faster
+# (`v41jax.decode.gate.SpeculationGate`: its settings; None: the cost table alone decides).
+# The cost table is measured on an isolated batch; under load, rows finish nearly every
+# round and the loop pays for drafting more than the table says.
+SPECULATION_GATE = dict(decay=0.7, probe_rounds=32, max_probe_rounds=256)
 # Open loop: Poisson arrivals into OPEN_SLOTS slots at these fractions of plain decoding's
 # closed-loop request rate at that concurrency, OPEN_REQUESTS requests each.
 OPEN_SLOTS = 64

@@ -48,6 +48,7 @@ from v41jax.bench.common import CompileCounter, machine_info  # noqa: E402
 from v41jax.data.corpus import split_speeches_by_year  # noqa: E402
 from v41jax.decode.batching import ContinuousBatcher, PlainProposer, Request  # noqa: E402
 from v41jax.decode.engine import packed_buckets  # noqa: E402
+from v41jax.decode.gate import SpeculationGate  # noqa: E402
 from v41jax.decode.generate import with_context_len  # noqa: E402
 from v41jax.decode.sampling import SamplingParams  # noqa: E402
 from v41jax.dspark.analysis.study import val_prompts  # noqa: E402
@@ -134,9 +135,14 @@ def make_batcher(name: str, slots: int, target, drafter, costs: dict) -> Continu
         buckets = costs["ragged"].buckets
     else:
         raise ValueError(f"unknown decoder {name!r}; known: {C.DECODERS}")
+    # the scheduler reads the loop's measured throughput too; the fixed lengths are baselines
+    gate = None
+    if name.startswith("scheduled") and C.SPECULATION_GATE is not None:
+        gate = SpeculationGate(**C.SPECULATION_GATE)
     return ContinuousBatcher(
-        tp, tcfg, dparams, proposer, policy=policy, verify=verify, buckets=buckets, **common
-    )
+        tp, tcfg, dparams, proposer, policy=policy, verify=verify, buckets=buckets, gate=gate,
+        **common,
+    )  # fmt: skip
 
 
 def _requests(prompts: np.ndarray, n: int, first_id: int = 0) -> list[Request]:

@@ -196,7 +196,9 @@ def test_after_precompile_a_run_compiles_nothing_and_decodes_the_same(verify):
     want = (0, *packed_buckets(5, k)) if verify == "ragged" else tuple(range(k + 1))
     assert warm.programs() == want
     ran = warm.precompile([len(r.prompt) for r in requests])
-    assert ran == 1 + 2 * 4 + len(want)  # start, refills (2 widths x 1, 2, 4, 8 rows), programs
+    assert warm.row_buckets() == [1, 2, 3, 4, 5]
+    # start, refills (2 widths x 1 .. 5 rows), programs, the drafter pass after a plain run
+    assert ran == 1 + 2 * 5 + len(want) + (0 in want)
     with CompileCounter() as compiled:
         out = {c.request_id: c for c in warm.run(requests)}
     assert compiled.count == 0
@@ -264,3 +266,95 @@ def test_cancel_drops_queued_and_decoding_requests_and_the_batcher_goes_on_exact
     want = _alone(tp, later)
     for r in later:
         np.testing.assert_array_equal(out[r.request_id], want[r.request_id])
+
+
+class ScriptedGate:
+    """A gate whose answers follow a fixed pseudo-random script (not wall time), so the
+    batcher's paths (plain runs the gate forces, plain probes, a drafter pass again after
+    plain rounds) all run, reproducibly."""
+
+    def __init__(self, seed):
+        self.rng, self.calls = np.random.default_rng(seed), []
+
+    def speculate(self):
+        return bool(self.rng.random() < 0.5)
+
+    def probe_plain(self):
+        return bool(self.rng.random() < 0.2)
+
+    def record(self, mode, tokens, seconds, rounds):
+        assert tokens >= 0 and seconds >= 0 and rounds >= 1
+        self.calls.append(mode)
+
+
+@pytest.mark.parametrize("verify", ["padded", "ragged"])
+def test_greedy_requests_equal_decoding_alone_whatever_the_gate_decides(verify):
+    """A gate that turns drafting on and off (and a policy that itself mixes plain and
+    drafted rounds): every greedy request still equals decoding it alone, both modes ran,
+    and every segment was recorded."""
+    tp, dp, frozen, dcfg = LAW.models()
+    gate = ScriptedGate(seed=3)
+    batcher = ContinuousBatcher(
+        tp, TARGET, (dp, frozen), DSparkProposer(dcfg, TARGET), slots=3, policy=LAW.Mixed(3),
+        verify=verify, gate=gate,
+    )  # fmt: skip
+    requests = _requests(12, seed=4)
+    out = batcher.run(requests)
+    want = _alone(tp, requests)
+    assert sorted(c.request_id for c in out) == list(range(12))
+    for c in out:
+        np.testing.assert_array_equal(c.tokens, want[c.request_id], err_msg=f"{c.request_id}")
+    assert batcher.segments["drafted"] > 0 and batcher.segments["plain"] > 0
+    assert len(gate.calls) == sum(batcher.segments.values())
+    assert sum(c.drafted for c in out) > 0
+
+
+def test_a_plain_run_goes_on_across_refills_without_a_drafter_pass(monkeypatch):
+    """With the policy choosing no drafts, rows finishing and slots refilling do not end
+    the plain run: the drafter passes (one per finished run) are fewer than the plain
+    segments; greedy output equals decoding alone."""
+    from v41jax.decode import batching
+
+    passes, real = [], batching.host_draft
+
+    def counting(c, state, st):
+        passes.append(1)
+        return real(c, state, st)
+
+    monkeypatch.setattr(batching, "host_draft", counting)
+    tp, dp, frozen, dcfg = LAW.models()
+    batcher = ContinuousBatcher(
+        tp, TARGET, (dp, frozen), DSparkProposer(dcfg, TARGET), slots=3, policy=LAW.Never()
+    )
+    requests = _requests(9, seed=5)
+    out = batcher.run(requests)
+    want = _alone(tp, requests)
+    for c in out:
+        np.testing.assert_array_equal(c.tokens, want[c.request_id])
+        assert c.drafted == 0
+    assert batcher.segments["drafted"] == 0
+    assert 0 < len(passes) < batcher.segments["plain"]
+
+
+@pytest.mark.slow
+def test_sampled_requests_follow_the_target_law_with_the_gate_switching():
+    """As the law test above, with a scripted gate turning drafting on and off between
+    segments (plain runs it forces, drafter passes again after them): the G-test holds and
+    the negative control fails."""
+    cfg = dataclasses.replace(TARGET, vocab_size=8, init_std=0.3)
+    tp, dp, frozen, dcfg = LAW.models(cfg, LAW.drafter_cfg(block_size=2), seed=3)
+    prompt = [1, 5, 2]
+    requests = [Request(prompt, 3, SamplingParams(1.0), request_id=i) for i in range(6000)]
+    gate = ScriptedGate(seed=8)
+    batcher = ContinuousBatcher(
+        tp, cfg, (dp, frozen), DSparkProposer(dcfg, cfg), slots=48, policy=2, verify="ragged",
+        rng=jax.random.key(12), gate=gate,
+    )  # fmt: skip
+    out = batcher.run(requests)
+    assert batcher.segments["drafted"] > 0 and batcher.segments["plain"] > 0
+    toks = np.stack([c.tokens for c in out])
+    cells = toks[:, 1] * 8 + toks[:, 2]
+    law = LAW.exact_law(cfg, tp, np.asarray(prompt), 3).reshape(8, 8, 8).sum(0).reshape(-1)
+    assert LAW._g_pvalue(cells, law) > 1e-3
+    wrong = LAW.exact_law(cfg, jax.tree.map(lambda x: 0.8 * x, tp), np.asarray(prompt), 3)
+    assert LAW._g_pvalue(cells, wrong.reshape(8, 8, 8).sum(0).reshape(-1)) < 1e-6

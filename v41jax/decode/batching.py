@@ -11,7 +11,15 @@ request back (`Completion`), and refills free slots with waiting requests betwee
              one program per (number of new rows, prompt width) bucket), and a drafter pass
              over the new rows only; the other rows keep their unverified drafts, and the
              policy decides the round's lengths for the whole batch again;
-    segment: rounds at one verify program until it changes or a row finishes (host loop).
+    segment: rounds at one verify program until it changes or a row finishes (host loop);
+             a plain run (the policy chose no drafts: 1, 2, 4, .. rounds) goes on across
+             refills, with no drafter pass until it is over.
+
+With a `SpeculationGate` (`gate=`), the batcher also measures the decode throughput it gets
+from drafted segments and from plain runs, and runs plain rounds, without drafting, while
+plain is measured faster (probing the drafted mode now and then): the cost of drafting as
+this loop pays it, which the policy's cost table, measured on an isolated batch, does not
+see (`v41jax.decode.gate`).
 
 A request's output does not depend on the others: every row reads only its own cache rows,
 history and position (attention, the ragged packing and Engram's ids are per row; the
@@ -28,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -52,7 +61,8 @@ from v41jax.decode.engine import (
     propose_rows,
     verify_plan,
 )
-from v41jax.decode.loops import host_flags, host_segment, host_start, plain_segment
+from v41jax.decode.gate import SpeculationGate
+from v41jax.decode.loops import host_draft, host_flags, host_segment, host_start, plain_segment
 from v41jax.decode.sampling import GREEDY, SamplingParams
 
 
@@ -197,8 +207,10 @@ class ContinuousBatcher:
 
     proposer / policy / verify: as the engine's `Static` (e.g. `DSparkProposer`, a fixed
     width or `ScheduledLengths`, "ragged"; `PlainProposer` with policy 0 for plain
-    decoding). `submit` queues a request (refused with a clear error if it cannot fit:
-    prompt + max_new_tokens + the drafter's slack > the models' max_seq_len); `step` refills
+    decoding). `gate`: a `SpeculationGate` that turns drafting off while plain decoding is
+    measured faster in this loop (None: the policy alone decides). `submit` queues a
+    request (refused with a clear error if it cannot fit: prompt + max_new_tokens + the
+    drafter's slack > the models' max_seq_len); `step` refills
     free slots and runs one segment, returning the requests that finished; `run` decodes a
     list to the end. `clock` (default `time.perf_counter`) stamps submissions and
     completions; pass `submitted_s` to `submit` for an arrival time of an open-loop trace.
@@ -219,6 +231,7 @@ class ContinuousBatcher:
         rng: jax.Array | None = None,
         clock: Callable[[], float] = time.perf_counter,
         prompt_width_step: int = 16,
+        gate: SpeculationGate | None = None,
     ):
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"slots={slots!r} must be an int >= 1")
@@ -241,7 +254,12 @@ class ContinuousBatcher:
         self._top_k = np.zeros(slots, np.int32)
         self._state = self._draft = self._flags = None
         self._axes: dict[int, tuple] = {}
-        self._plain_runs = 0
+        self._plain_runs = 0  # plain runs in a row (their length doubles)
+        self._plain_left = 0  # rounds left in the current plain run
+        self._stale = False  # plain rounds ran since the last drafter pass over every row
+        self._pos = np.zeros(slots, np.int64)  # each row's position after the last step
+        self.gate = gate
+        self.segments = {"drafted": 0, "plain": 0}  # segments run, by mode
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: Request, submitted_s: float | None = None) -> None:
@@ -308,9 +326,15 @@ class ContinuousBatcher:
             self._axes[width] = batch_axes(self._ctx(), self.st, width)
         return self._axes[width]
 
-    def _row_buckets(self) -> list[int]:
-        """The static row counts of `refill_rows`: 1, 2, 4, .. up to the first >= slots."""
-        return [2**i for i in range((self.slots - 1).bit_length() + 1)]
+    def row_buckets(self) -> list[int]:
+        """The static row counts of `refill_rows`: every count up to 8, then steps of 25%,
+        up to `slots`. A prefill's cost grows with its rows (on a CPU about linearly): under
+        load a few rows finish in most rounds, and powers of two padded such a refill by up
+        to 2x (1.3x on average), now by at most 1.25x."""
+        out = list(range(1, min(8, self.slots) + 1))
+        while out[-1] < self.slots:
+            out.append(min(max(out[-1] + 1, int(math.ceil(out[-1] * 1.25))), self.slots))
+        return out
 
     def _prompt_width(self, longest: int) -> int:
         """The padded prompt width of a refill whose longest prompt has `longest` tokens."""
@@ -328,7 +352,8 @@ class ContinuousBatcher:
 
     def precompile(self, prompt_lengths: Iterable[int]) -> int:
         """Compile every program a run with prompts of these lengths can reach, so that no
-        timed run compiles: the empty batch's start, `refill_rows` at each row count and
+        timed run compiles: the empty batch's start, `refill_rows` at each row count
+        (`row_buckets`) and
         prompt width, and every verify program (`programs`) with the plain segment. They
         run on a throwaway empty batch (every row finished: a verify segment runs no round),
         so the batcher's own state and random stream are untouched; it costs one more batch
@@ -347,7 +372,7 @@ class ContinuousBatcher:
         c, run = self._ctx(), 1
         state, draft, flags = self._empty_batch()
         for width in sorted({self._prompt_width(n) for n in lengths}):
-            for r in self._row_buckets():
+            for r in self.row_buckets():
                 nowhere = jnp.full((r,), self.slots, jnp.int32)  # every row writes nowhere
                 c_rows = self._ctx(np.zeros(r, np.int64))._replace(end_B=jnp.zeros(r, jnp.int32))
                 state, draft, flags = refill_rows(
@@ -358,6 +383,8 @@ class ContinuousBatcher:
         for program in self.programs():
             if program == 0:
                 state, draft, flags = plain_segment(c, state, draft, self.st, jnp.int32(1))
+                state, draft, flags = host_draft(c, state, self.st)
+                run += 1
             else:
                 state, draft, flags = host_segment(c, state, draft, self.st, program)
             run += 1
@@ -370,7 +397,7 @@ class ContinuousBatcher:
         if not take:
             return
         rows, reqs = free[:take], [self._queue.popleft() for _ in range(take)]
-        r_bucket = _bucket(take, self._row_buckets())
+        r_bucket = _bucket(take, self.row_buckets())
         width = self._prompt_width(max(len(r.prompt) for r, _ in reqs))
         prompts = np.zeros((r_bucket, width), np.int32)
         lengths = np.ones(r_bucket, np.int32)
@@ -395,28 +422,54 @@ class ContinuousBatcher:
             self._ctx(), self._state, self._draft, index, prompts, lengths, c_rows, self.st,
             self._batch_axes(width),
         )  # fmt: skip
+        for row, (req, _) in zip(rows, reqs, strict=True):
+            self._pos[row] = len(req.prompt)  # the pending token: sampled at the prefill
 
     def step(self) -> list[Completion]:
         """Refill free slots from the queue, run one segment; the requests that finished."""
         if self._state is None:
             self._start()
         self._refill()
-        program, more = (int(x) for x in jax.device_get(self._flags))
+        program, more, r0 = (int(x) for x in jax.device_get(self._flags))
         if not more:  # nothing to decode (or every new request is done at its prefill)
-            return self._collect()
-        c = self._ctx()
-        if program == 0:
-            n = min(2**self._plain_runs, MAX_PLAIN_ROUNDS)
-            self._plain_runs += 1
-            out = plain_segment(c, self._state, self._draft, self.st, jnp.int32(n))
+            return self._collect(np.asarray(jax.device_get(self._state.pos)))
+        c, start = self._ctx(), self.clock()
+        gate_plain = self.gate is not None and (
+            not self.gate.speculate() or self.gate.probe_plain()
+        )
+        if not self._plain_left and not gate_plain and self._stale:
+            # the last drafter pass predates plain rounds: draft every row again first
+            self._state, self._draft, self._flags = host_draft(c, self._state, self.st)
+            program, self._stale = int(jax.device_get(self._flags)[0]), False
+        if self._plain_left or gate_plain or program == 0:
+            mode = "plain"
+            if not self._plain_left:  # a new run: 1, 2, 4, .. rounds while plain is chosen
+                self._plain_left = min(2**self._plain_runs, MAX_PLAIN_ROUNDS)
+                self._plain_runs += 1
+            out = plain_segment(c, self._state, self._draft, self.st, jnp.int32(self._plain_left))
+            self._state, self._draft, self._flags = out
+            self._plain_left -= int(jax.device_get(self._flags)[2]) - r0
+            self._stale = True
+            if not self._plain_left and (self.gate is None or self.gate.speculate()):
+                out = host_draft(c, self._state, self.st)  # the policy decides the next round
+                self._state, self._draft, self._flags = out
+                self._stale = False
         else:
+            mode = "drafted"
             self._plain_runs = 0
             out = host_segment(c, self._state, self._draft, self.st, program)
-        self._state, self._draft, self._flags = out
-        return self._collect()
-
-    def _collect(self) -> list[Completion]:
+            self._state, self._draft, self._flags = out
         pos = np.asarray(jax.device_get(self._state.pos))
+        rounds = int(jax.device_get(self._flags)[2]) - r0
+        self.segments[mode] += 1
+        if self.gate is not None and rounds:
+            busy = np.asarray([s is not None for s in self._slots])
+            tokens = np.minimum(pos + 1, self._end) - np.minimum(self._pos + 1, self._end)
+            self.gate.record(mode, int(tokens[busy].sum()), self.clock() - start, rounds)
+        return self._collect(pos)
+
+    def _collect(self, pos: np.ndarray) -> list[Completion]:
+        self._pos[:] = pos
         done = [
             i for i, s in enumerate(self._slots) if s is not None and pos[i] + 1 >= self._end[i]
         ]

@@ -8,8 +8,11 @@
   the widths inside the device loop carries the KV caches through the conditional and XLA
   copies them in and out on every round.) Width 0 ("no drafts") runs plain decode steps
   without a drafter pass, 1, 2, 4, .. `MAX_PLAIN_ROUNDS` of them while the policy keeps
-  choosing 0 at the drafter pass that ends each run: the decision to skip drafting depends
-  only on earlier rounds, so the output law is kept.
+  choosing 0 at the drafter pass that ends each run (`plain_segment`, then `host_draft`):
+  the decision to skip drafting depends only on earlier rounds, so the output law is kept.
+  A plain run that stops early (a row finished, with `Static.stop_on_finish`) hands back a
+  draft that carries only the keys of its next plain round, so the host can refill and go
+  on with the run without a drafter pass (`v41jax.decode.batching`).
 Both loops give the same tokens for the same rng at a fixed width.
 """
 
@@ -76,14 +79,30 @@ def none_finished(c: Ctx, state: State, st: Static, started_B) -> jax.Array:
 
 
 def host_flags(c: Ctx, state: State, d: Draft) -> jax.Array:
-    """[next width, any row active]: the two ints the host reads after each program."""
-    return jnp.stack([d.program, any_active(c, state).astype(jnp.int32)])
+    """[next width, any row active, rounds run so far]: the ints the host reads after each
+    program (the round counter lets it count a segment's rounds)."""
+    return jnp.stack([d.program, any_active(c, state).astype(jnp.int32), state.r])
 
 
 def draft_with_flags(c: Ctx, state: State, st: Static):
     """The round's draft side and its `host_flags`."""
     state, d = draft_step(c, state, st)
     return state, d, host_flags(c, state, d)
+
+
+@functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("state",))
+def host_draft(c: Ctx, state: State, st: Static):
+    """The next round's draft side after a plain run (`plain_segment`): a drafter pass and
+    the policy's decision."""
+    return draft_with_flags(c, state, st)
+
+
+def plain_draft(state: State, d: Draft) -> Draft:
+    """A draft that verifies nothing and carries the keys `plain_step` would use next:
+    `plain_segment` starting from it runs exactly the plain rounds an unbroken run would
+    have (its proposal, `d`'s, is never read by a width-0 round)."""
+    rng, _, k_verify = jax.random.split(state.rng, 3)
+    return Draft(rng, k_verify, d.proposal, jnp.zeros_like(d.verify_len), jnp.int32(0))
 
 
 @functools.partial(jax.jit, static_argnames=("st",))
@@ -113,8 +132,10 @@ def host_segment(c: Ctx, state: State, d: Draft, st: Static, program: int):
 @functools.partial(jax.jit, static_argnames=("st",), donate_argnames=("state",))
 def plain_segment(c: Ctx, state: State, d: Draft, st: Static, n_rounds):
     """This round without its drafts (width 0), then up to n_rounds - 1 plain decode rounds
-    with no drafter pass, then the next round's draft. n_rounds: int32 [] >= 1 (traced: one
-    program for every run length)."""
+    with no drafter pass (fewer when a row finishes, with `st.stop_on_finish`). Returns
+    (state, `plain_draft`, flags): no drafter pass here; the host calls `host_draft` when
+    the run is over, or goes on with another plain segment from the returned draft.
+    n_rounds: int32 [] >= 1 (traced: one program for every run length)."""
     started = active_rows(c, state)
     state = verify_step(c, state, d, st, 0)
 
@@ -125,7 +146,8 @@ def plain_segment(c: Ctx, state: State, d: Draft, st: Static, n_rounds):
     state, _ = jax.lax.while_loop(
         more, lambda s: (plain_step(c, s[0], st), s[1] + 1), (state, jnp.int32(1))
     )
-    return draft_with_flags(c, state, st)
+    d = plain_draft(state, d)
+    return state, d, host_flags(c, state, d)
 
 
 def host_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput:
@@ -134,13 +156,14 @@ def host_loop(c: Ctx, prompts_BxP, lengths_B, rng, st: Static) -> EngineOutput:
     state, d, flags = host_start(c, prompts_BxP, lengths_B, rng, st)
     zeros_in_a_row = 0
     while True:
-        program, more = (int(x) for x in jax.device_get(flags))
+        program, more, _ = (int(x) for x in jax.device_get(flags))
         if not more:
             return _finish_jit(lengths_B, state, st)
         if program == 0:
             n = min(2**zeros_in_a_row, MAX_PLAIN_ROUNDS)
             zeros_in_a_row += 1
-            state, d, flags = plain_segment(c, state, d, st, jnp.int32(n))
+            state, d, _ = plain_segment(c, state, d, st, jnp.int32(n))
+            state, d, flags = host_draft(c, state, st)
         else:
             zeros_in_a_row = 0
             state, d, flags = host_segment(c, state, d, st, program)

@@ -49,7 +49,7 @@ from v41jax.decode.engine import (
     packed_buckets,
 )
 from v41jax.decode.generate import check_compression
-from v41jax.decode.loops import host_segment, host_start, plain_segment, run_rounds
+from v41jax.decode.loops import host_draft, host_segment, host_start, plain_segment, run_rounds
 from v41jax.decode.sampling import GREEDY, SamplingParams
 from v41jax.dspark.decode.admission import Admission
 from v41jax.dspark.decode.rounds import DSparkProposer, ScheduledLengths, ScheduledWidth
@@ -241,10 +241,11 @@ def measure_round_cost(
     it: for w >= 1 the drafter pass, Markov sampling, the target's verify of w + 1 tokens per
     row, the acceptance rule and the context write; for w = 0 (`include_plain`) a plain
     decode round: the target's step on the pending token and the context write, no drafter
-    pass. Per pass and width: a fresh prefill, then a whole decode of `rounds` (K + 1) new
+    pass but the run's last. Per pass and width: a fresh prefill, then a whole decode of `rounds` (K + 1) new
     tokens at width w as one segment (the program the scheduled loop runs: `host_segment`),
     timed and divided by the rounds it ran (>= `rounds`; default 16 or as many as
-    max_seq_len holds); w = 0 runs `rounds` rounds of `plain_segment` (one token each: a
+    max_seq_len holds); w = 0 runs `rounds` rounds of `plain_segment` and the drafter pass
+    that ends the run (`host_draft`), as the scheduled loop pays it (one token per round: a
     whole decode would run K + 1 times as many rounds as the widest width for no extra
     precision). The first pass also compiles and is discarded; the cost is the min over the
     other `passes`.
@@ -313,8 +314,9 @@ def measure_round_cost(
         )
         r0 = int(state.r)
         start = time.perf_counter()
-        if point == 0:
-            segment = plain_segment(ctx, state, d, st, jnp.int32(rounds))
+        if point == 0:  # the run and the drafter pass that decides the next (as host_loop)
+            state, _, _ = plain_segment(ctx, state, d, st, jnp.int32(rounds))
+            segment = host_draft(ctx, state, st)
         else:
             segment = host_segment(ctx, state, d, st, program)
         state = jax.block_until_ready(segment)[0]
