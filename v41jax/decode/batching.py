@@ -257,6 +257,7 @@ class ContinuousBatcher:
         self._plain_runs = 0  # plain runs in a row (their length doubles)
         self._plain_left = 0  # rounds left in the current plain run
         self._stale = False  # plain rounds ran since the last drafter pass over every row
+        self._draft_owed_s = 0.0  # drafter passes after plain runs: the next drafted segment's
         self._pos = np.zeros(slots, np.int64)  # each row's position after the last step
         self.gate = gate
         self.segments = {"drafted": 0, "plain": 0}  # segments run, by mode
@@ -425,6 +426,16 @@ class ContinuousBatcher:
         for row, (req, _) in zip(rows, reqs, strict=True):
             self._pos[row] = len(req.prompt)  # the pending token: sampled at the prefill
 
+    def _draft_all(self, c: Ctx) -> int:
+        """A drafter pass over every row and the policy's decision (`host_draft`); returns
+        the program it chose. Its seconds are owed by the next drafted segment: consulting
+        the drafter is a cost of speculating, not of the plain run it may follow."""
+        start = self.clock()
+        self._state, self._draft, self._flags = host_draft(c, self._state, self.st)
+        program = int(jax.device_get(self._flags)[0])
+        self._stale, self._draft_owed_s = False, self._draft_owed_s + self.clock() - start
+        return program
+
     def step(self) -> list[Completion]:
         """Refill free slots from the queue, run one segment; the requests that finished."""
         if self._state is None:
@@ -433,14 +444,14 @@ class ContinuousBatcher:
         program, more, r0 = (int(x) for x in jax.device_get(self._flags))
         if not more:  # nothing to decode (or every new request is done at its prefill)
             return self._collect(np.asarray(jax.device_get(self._state.pos)))
-        c, start = self._ctx(), self.clock()
+        c = self._ctx()
         gate_plain = self.gate is not None and (
             not self.gate.speculate() or self.gate.probe_plain()
         )
         if not self._plain_left and not gate_plain and self._stale:
             # the last drafter pass predates plain rounds: draft every row again first
-            self._state, self._draft, self._flags = host_draft(c, self._state, self.st)
-            program, self._stale = int(jax.device_get(self._flags)[0]), False
+            program = self._draft_all(c)
+        start = self.clock()
         if self._plain_left or gate_plain or program == 0:
             mode = "plain"
             if not self._plain_left:  # a new run: 1, 2, 4, .. rounds while plain is chosen
@@ -448,24 +459,26 @@ class ContinuousBatcher:
                 self._plain_runs += 1
             out = plain_segment(c, self._state, self._draft, self.st, jnp.int32(self._plain_left))
             self._state, self._draft, self._flags = out
-            self._plain_left -= int(jax.device_get(self._flags)[2]) - r0
+            rounds = int(jax.device_get(self._flags)[2]) - r0
+            seconds = self.clock() - start
+            self._plain_left -= rounds
             self._stale = True
             if not self._plain_left and (self.gate is None or self.gate.speculate()):
-                out = host_draft(c, self._state, self.st)  # the policy decides the next round
-                self._state, self._draft, self._flags = out
-                self._stale = False
+                self._draft_all(c)  # the policy decides the next round
         else:
             mode = "drafted"
             self._plain_runs = 0
             out = host_segment(c, self._state, self._draft, self.st, program)
             self._state, self._draft, self._flags = out
+            rounds = int(jax.device_get(self._flags)[2]) - r0
+            seconds = self.clock() - start + self._draft_owed_s
+            self._draft_owed_s = 0.0
         pos = np.asarray(jax.device_get(self._state.pos))
-        rounds = int(jax.device_get(self._flags)[2]) - r0
         self.segments[mode] += 1
         if self.gate is not None and rounds:
             busy = np.asarray([s is not None for s in self._slots])
             tokens = np.minimum(pos + 1, self._end) - np.minimum(self._pos + 1, self._end)
-            self.gate.record(mode, int(tokens[busy].sum()), self.clock() - start, rounds)
+            self.gate.record(mode, int(tokens[busy].sum()), seconds, rounds)
         return self._collect(pos)
 
     def _collect(self, pos: np.ndarray) -> list[Completion]:
