@@ -197,8 +197,9 @@ def test_after_precompile_a_run_compiles_nothing_and_decodes_the_same(verify):
     assert warm.programs() == want
     ran = warm.precompile([len(r.prompt) for r in requests])
     assert warm.row_buckets() == [1, 2, 3, 4, 5]
-    # start, refills (2 widths x 1 .. 5 rows), programs, the drafter pass after a plain run
-    assert ran == 1 + 2 * 5 + len(want) + (0 in want)
+    # start, refills (2 widths x 1 .. 5 rows, drafting the new rows and, before a plain
+    # round, not), programs, the drafter pass after a plain run
+    assert ran == 1 + 2 * 5 * (1 + (0 in want)) + len(want) + (0 in want)
     with CompileCounter() as compiled:
         out = {c.request_id: c for c in warm.run(requests)}
     assert compiled.count == 0
@@ -283,8 +284,8 @@ class ScriptedGate:
         return bool(self.rng.random() < 0.2)
 
     def record(self, mode, tokens, seconds, rounds):
-        assert tokens >= 0 and seconds >= 0 and rounds >= 1
-        self.calls.append(mode)
+        assert tokens >= 0 and seconds > 0 and rounds >= 1
+        self.calls.append((mode, tokens, rounds))
 
 
 @pytest.mark.parametrize("verify", ["padded", "ragged"])
@@ -305,8 +306,11 @@ def test_greedy_requests_equal_decoding_alone_whatever_the_gate_decides(verify):
     for c in out:
         np.testing.assert_array_equal(c.tokens, want[c.request_id], err_msg=f"{c.request_id}")
     assert batcher.segments["drafted"] > 0 and batcher.segments["plain"] > 0
-    assert len(gate.calls) == sum(batcher.segments.values())
     assert sum(c.drafted for c in out) > 0
+    # every token after a request's first (sampled at its prefill) is counted once, in the
+    # segment that emitted it: the gate's rates divide these by the segments' seconds
+    assert sum(t for _, t, _ in gate.calls) == sum(r.max_new_tokens - 1 for r in requests)
+    assert {m for m, _, _ in gate.calls} == {"drafted", "plain"}
 
 
 def test_a_plain_run_goes_on_across_refills_without_a_drafter_pass(monkeypatch):
@@ -353,8 +357,24 @@ def test_sampled_requests_follow_the_target_law_with_the_gate_switching():
     out = batcher.run(requests)
     assert batcher.segments["drafted"] > 0 and batcher.segments["plain"] > 0
     toks = np.stack([c.tokens for c in out])
-    cells = toks[:, 1] * 8 + toks[:, 2]
-    law = LAW.exact_law(cfg, tp, np.asarray(prompt), 3).reshape(8, 8, 8).sum(0).reshape(-1)
+    # the joint of all three tokens: a key shared between a refill's first token (t0) and
+    # a later draft would couple them, and the law of (t1, t2) alone would not show it
+    cells = (toks[:, 0] * 8 + toks[:, 1]) * 8 + toks[:, 2]
+    law = LAW.exact_law(cfg, tp, np.asarray(prompt), 3).reshape(-1)
     assert LAW._g_pvalue(cells, law) > 1e-3
     wrong = LAW.exact_law(cfg, jax.tree.map(lambda x: 0.8 * x, tp), np.asarray(prompt), 3)
-    assert LAW._g_pvalue(cells, wrong.reshape(8, 8, 8).sum(0).reshape(-1)) < 1e-6
+    assert LAW._g_pvalue(cells, wrong.reshape(-1)) < 1e-6
+
+
+def test_a_gate_makes_plain_rounds_reachable_under_a_fixed_policy():
+    """With a gate, plain segments (and the drafter pass after them) are reachable even for
+    a fixed verify length: `programs` lists 0, so `precompile` compiles them."""
+    tp, dp, frozen, dcfg = LAW.models()
+    for verify, policy in (("padded", 2), ("ragged", 2)):
+        kw = dict(slots=3, policy=policy, verify=verify)
+        plain = ContinuousBatcher(tp, TARGET, (dp, frozen), DSparkProposer(dcfg, TARGET), **kw)
+        gated = ContinuousBatcher(
+            tp, TARGET, (dp, frozen), DSparkProposer(dcfg, TARGET), gate=ScriptedGate(0), **kw
+        )
+        assert 0 not in plain.programs()
+        assert gated.programs() == (0, *plain.programs())

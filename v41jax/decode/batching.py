@@ -10,7 +10,9 @@ request back (`Completion`), and refills free slots with waiting requests betwee
              sampled at the prompt's last position), written into their slots (`refill_rows`,
              one program per (number of new rows, prompt width) bucket), and a drafter pass
              over the new rows only; the other rows keep their unverified drafts, and the
-             policy decides the round's lengths for the whole batch again;
+             policy decides the round's lengths for the whole batch again. Before a plain
+             round the refill drafts nothing, and every row is drafted again
+             (`host_draft`) before the next drafted round;
     segment: rounds at one verify program until it changes or a row finishes (host loop);
              a plain run (the policy chose no drafts: 1, 2, 4, .. rounds) goes on across
              refills, with no drafter pass until it is over.
@@ -26,7 +28,7 @@ history and position (attention, the ragged packing and Engram's ids are per row
 drafter's context is per row), so greedy output equals decoding the request alone, whatever
 joined or left beside it. Sampling settings and lengths are per request (the engine's
 settings are per-row arrays; a free slot is a finished row, end 0). The cost of refilling:
-one prefill and one drafter pass of the new rows per refill event.
+one prefill (and, before a drafted round, one drafter pass) of the new rows per refill event.
 
 Plain decoding runs through the same loop with `PlainProposer` and policy 0 (every round a
 plain round, no drafter pass), so decoders are compared under the same batching.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -156,10 +159,12 @@ def batch_axes(c: Ctx, st: Static, prompt_width: int) -> tuple[int | None, ...]:
     return tuple(axes)
 
 
-@functools.partial(jax.jit, static_argnames=("st", "axes"), donate_argnames=("state", "draft"))
+@functools.partial(
+    jax.jit, static_argnames=("st", "axes", "draft_new"), donate_argnames=("state", "draft")
+)
 def refill_rows(
     c: Ctx, state: State, draft: Draft, rows_R, prompts_RxP, lengths_R, c_rows: Ctx,
-    st: Static, axes,
+    st: Static, axes, draft_new: bool = True,
 ):  # fmt: skip
     """Prefill R new prompts (right-padded [R, P], lengths [R]) with `c_rows` (their sampling
     settings and ends), draft for those R rows only, and write both into slots `rows_R` of
@@ -167,17 +172,20 @@ def refill_rows(
     policy decides the round's lengths for the whole batch (`verify_plan`). Returns (state,
     draft, host flags) as `host_start` does.
 
-    The other rows keep their drafts: drawn at the end of the last segment and never
+    The other rows keep their drafts: drawn at the end of the last drafted segment and never
     verified, they are what a round without the refill would have verified, so the law is
     kept. (Drafting the whole batch again would cost a drafter pass over every row per
     refill, which at high concurrency, where rows finish nearly every round, is a second
     pass per round.) The verify key and the next round's key come from `draft`, unused so
-    far; the new rows' keys are split from its `rng`."""
+    far; the new rows' keys are split from its `rng`.
+
+    `draft_new=False` when the next round is plain (a plain run going on, or the gate's
+    choice): no drafter pass, no plan (program 0); the new rows' proposals are left as they
+    were, so the batcher drafts every row again before any drafted round (`host_draft`)."""
     rng, key, k_draft = jax.random.split(draft.rng, 3)
-    # the proposer alone (not `draft_step`): the policy decides once, for the whole batch
-    new, new_proposal = propose_rows(
-        c_rows, prefill(c_rows, prompts_RxP, lengths_R, key, st), st, k_draft
-    )
+    new = prefill(c_rows, prompts_RxP, lengths_R, key, st)
+    if draft_new:  # the proposer alone (not `draft_step`): the policy decides once, below
+        new, new_proposal = propose_rows(c_rows, new, st, k_draft)
     big, tree = jax.tree.flatten(state)
     small = tree.flatten_up_to(new)
     out = []
@@ -188,6 +196,9 @@ def refill_rows(
         index = (slice(None),) * ax + (rows_R,)
         out.append(x.at[index].set(y.astype(x.dtype), mode="drop"))
     merged = jax.tree.unflatten(tree, out)._replace(rng=state.rng, r=state.r)
+    if not draft_new:
+        d = Draft(rng, draft.verify_key, draft.proposal, draft.verify_len, jnp.int32(0))
+        return merged, d, host_flags(c, merged, d)
     proposal = jax.tree.map(
         lambda x, y: x.at[rows_R].set(y.astype(x.dtype), mode="drop"),
         draft.proposal,
@@ -257,7 +268,6 @@ class ContinuousBatcher:
         self._plain_runs = 0  # plain runs in a row (their length doubles)
         self._plain_left = 0  # rounds left in the current plain run
         self._stale = False  # plain rounds ran since the last drafter pass over every row
-        self._draft_owed_s = 0.0  # drafter passes after plain runs: the next drafted segment's
         self._pos = np.zeros(slots, np.int64)  # each row's position after the last step
         self.gate = gate
         self.segments = {"drafted": 0, "plain": 0}  # segments run, by mode
@@ -344,18 +354,22 @@ class ContinuousBatcher:
     def programs(self) -> tuple[int, ...]:
         """Every verify program a run can reach (`Draft.program`; 0 a plain segment):
         padded, the policy's width (a fixed int) or every width 0 .. K (a callable);
-        ragged, every packed size (and 0 for a callable, which may verify nothing)."""
+        ragged, every packed size (and 0 for a callable, which may verify nothing); 0 too
+        with a gate, which can turn drafting off under any policy."""
         st, k = self.st, self.st.proposer.block_size
         fixed = isinstance(st.policy, int)
         if st.verify == "ragged":
-            return ((0,) if not fixed else ()) + tuple(x for x in st.buckets if x > 0)
-        return (st.policy,) if fixed else tuple(range(k + 1))
+            out = ((0,) if not fixed else ()) + tuple(x for x in st.buckets if x > 0)
+        else:
+            out = (st.policy,) if fixed else tuple(range(k + 1))
+        return (0, *out) if self.gate is not None and 0 not in out else out
 
     def precompile(self, prompt_lengths: Iterable[int]) -> int:
         """Compile every program a run with prompts of these lengths can reach, so that no
         timed run compiles: the empty batch's start, `refill_rows` at each row count
-        (`row_buckets`) and
-        prompt width, and every verify program (`programs`) with the plain segment. They
+        (`row_buckets`) and prompt width (drafting the new rows, and without, when plain
+        rounds are reachable), and every verify program (`programs`) with the plain segment
+        and the drafter pass after it. They
         run on a throwaway empty batch (every row finished: a verify segment runs no round),
         so the batcher's own state and random stream are untouched; it costs one more batch
         state while it runs. Only while no request is queued or decoding. Returns how many
@@ -372,13 +386,16 @@ class ContinuousBatcher:
             )
         c, run = self._ctx(), 1
         state, draft, flags = self._empty_batch()
+        # a refill before a plain round drafts nothing: one more program per size
+        variants = (True, False) if 0 in self.programs() else (True,)
         for width in sorted({self._prompt_width(n) for n in lengths}):
-            for r in self.row_buckets():
+            for r, draft_new in itertools.product(self.row_buckets(), variants):
                 nowhere = jnp.full((r,), self.slots, jnp.int32)  # every row writes nowhere
                 c_rows = self._ctx(np.zeros(r, np.int64))._replace(end_B=jnp.zeros(r, jnp.int32))
                 state, draft, flags = refill_rows(
                     c, state, draft, nowhere, jnp.zeros((r, width), jnp.int32),
                     jnp.ones((r,), jnp.int32), c_rows, self.st, self._batch_axes(width),
+                    draft_new,
                 )  # fmt: skip
                 run += 1
         for program in self.programs():
@@ -392,11 +409,15 @@ class ContinuousBatcher:
         jax.block_until_ready(flags)
         return run
 
-    def _refill(self) -> None:
+    def _refill(self, draft_new: bool) -> None:
+        """Prefill waiting requests into free slots; `draft_new`: draft them too (False
+        when the next round is plain, or every row is drafted again before the next
+        drafted round)."""
         free = [i for i, s in enumerate(self._slots) if s is None]
         take = min(len(free), len(self._queue))
         if not take:
             return
+        self._stale |= not draft_new
         rows, reqs = free[:take], [self._queue.popleft() for _ in range(take)]
         r_bucket = _bucket(take, self.row_buckets())
         width = self._prompt_width(max(len(r.prompt) for r, _ in reqs))
@@ -421,38 +442,39 @@ class ContinuousBatcher:
         index, prompts, lengths = jax.device_put((index, prompts, lengths))
         self._state, self._draft, self._flags = refill_rows(
             self._ctx(), self._state, self._draft, index, prompts, lengths, c_rows, self.st,
-            self._batch_axes(width),
+            self._batch_axes(width), draft_new,
         )  # fmt: skip
         for row, (req, _) in zip(rows, reqs, strict=True):
             self._pos[row] = len(req.prompt)  # the pending token: sampled at the prefill
 
     def _draft_all(self, c: Ctx) -> int:
         """A drafter pass over every row and the policy's decision (`host_draft`); returns
-        the program it chose. Its seconds are owed by the next drafted segment: consulting
-        the drafter is a cost of speculating, not of the plain run it may follow."""
-        start = self.clock()
-        self._state, self._draft, self._flags = host_draft(c, self._state, self.st)
-        program = int(jax.device_get(self._flags)[0])
-        self._stale, self._draft_owed_s = False, self._draft_owed_s + self.clock() - start
-        return program
+        the program it chose. Its keys come from the current draft's `rng` (never used:
+        `state.rng` may already have fed a refill since the last round). Its seconds count
+        for neither mode: it is the price of switching, which the probes keep rare."""
+        state = self._state._replace(rng=self._draft.rng)
+        self._state, self._draft, self._flags = host_draft(c, state, self.st)
+        self._stale = False
+        return int(jax.device_get(self._flags)[0])
 
     def step(self) -> list[Completion]:
         """Refill free slots from the queue, run one segment; the requests that finished."""
         if self._state is None:
             self._start()
-        self._refill()
+        gate_plain = self.gate is not None and (
+            not self.gate.speculate() or self.gate.probe_plain()
+        )
+        plain_next = bool(self._plain_left) or gate_plain  # known before the policy's plan
+        self._refill(draft_new=not plain_next and not self._stale)
         program, more, r0 = (int(x) for x in jax.device_get(self._flags))
         if not more:  # nothing to decode (or every new request is done at its prefill)
             return self._collect(np.asarray(jax.device_get(self._state.pos)))
         c = self._ctx()
-        gate_plain = self.gate is not None and (
-            not self.gate.speculate() or self.gate.probe_plain()
-        )
-        if not self._plain_left and not gate_plain and self._stale:
-            # the last drafter pass predates plain rounds: draft every row again first
+        if not plain_next and self._stale:
+            # the last drafter pass predates plain rounds or refills: draft every row first
             program = self._draft_all(c)
         start = self.clock()
-        if self._plain_left or gate_plain or program == 0:
+        if plain_next or program == 0:
             mode = "plain"
             if not self._plain_left:  # a new run: 1, 2, 4, .. rounds while plain is chosen
                 self._plain_left = min(2**self._plain_runs, MAX_PLAIN_ROUNDS)
@@ -471,13 +493,14 @@ class ContinuousBatcher:
             out = host_segment(c, self._state, self._draft, self.st, program)
             self._state, self._draft, self._flags = out
             rounds = int(jax.device_get(self._flags)[2]) - r0
-            seconds = self.clock() - start + self._draft_owed_s
-            self._draft_owed_s = 0.0
+            seconds = self.clock() - start
         pos = np.asarray(jax.device_get(self._state.pos))
         self.segments[mode] += 1
         if self.gate is not None and rounds:
             busy = np.asarray([s is not None for s in self._slots])
             tokens = np.minimum(pos + 1, self._end) - np.minimum(self._pos + 1, self._end)
+            # a clock too coarse to see the segment: the smallest positive time instead
+            seconds = max(seconds, np.finfo(np.float64).tiny)
             self.gate.record(mode, int(tokens[busy].sum()), seconds, rounds)
         return self._collect(pos)
 

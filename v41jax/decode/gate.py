@@ -13,12 +13,12 @@ them,
 
 over the segments run in that mode (`record`; "drafted": segments whose rounds the policy
 chose, "plain": plain runs; a segment's seconds run from its launch to its result on the
-host, refills excluded: a prefill costs the same per request whichever mode decodes it; the
-drafter pass that lets the policy decide after plain rounds is charged to the next drafted
-segment, as a cost of speculating), and says whether the next decision goes to the policy
-(`speculate`):
+host, refills excluded: a prefill costs the same per request whichever mode decodes it; so
+is the drafter pass that lets the policy decide after plain rounds, the price of switching,
+which the probes keep rare: each mode's rate is what it earns while it runs), and says
+whether the next decision goes to the policy (`speculate`):
 
-    speculate  <=>  rate(drafted) unknown, or rate(drafted) > rate(plain),
+    speculate  <=>  rate(drafted) or rate(plain) unknown, or rate(drafted) > rate(plain),
                     or the drafted mode is due a probe (>= probe_rounds plain rounds since it
                     was last measured: loads change; the interval doubles while plain keeps
                     winning, up to max_probe_rounds)

@@ -10,9 +10,10 @@
   without a drafter pass, 1, 2, 4, .. `MAX_PLAIN_ROUNDS` of them while the policy keeps
   choosing 0 at the drafter pass that ends each run (`plain_segment`, then `host_draft`):
   the decision to skip drafting depends only on earlier rounds, so the output law is kept.
-  A plain run that stops early (a row finished, with `Static.stop_on_finish`) hands back a
-  draft that carries only the keys of its next plain round, so the host can refill and go
-  on with the run without a drafter pass (`v41jax.decode.batching`).
+  `plain_segment` hands back a draft that carries only the keys of the next plain round
+  (`plain_draft`), so a host whose run stopped early (a row finished, with
+  `Static.stop_on_finish`) can refill and go on with it without a drafter pass
+  (`v41jax.decode.batching`).
 Both loops give the same tokens for the same rng at a fixed width.
 """
 
@@ -99,8 +100,9 @@ def host_draft(c: Ctx, state: State, st: Static):
 
 def plain_draft(state: State, d: Draft) -> Draft:
     """A draft that verifies nothing and carries the keys `plain_step` would use next:
-    `plain_segment` starting from it runs exactly the plain rounds an unbroken run would
-    have (its proposal, `d`'s, is never read by a width-0 round)."""
+    `plain_segment` starting from it runs the plain rounds an unbroken run would have (with
+    nothing between them; a refill splits its `rng` further). Its proposal, `d`'s, is never
+    verified by a width-0 round (its confidences are only logged)."""
     rng, _, k_verify = jax.random.split(state.rng, 3)
     return Draft(rng, k_verify, d.proposal, jnp.zeros_like(d.verify_len), jnp.int32(0))
 

@@ -240,15 +240,15 @@ def measure_round_cost(
     """Seconds of one decode round at each verify width w = 0 .. K, B rows, as the loop runs
     it: for w >= 1 the drafter pass, Markov sampling, the target's verify of w + 1 tokens per
     row, the acceptance rule and the context write; for w = 0 (`include_plain`) a plain
-    decode round: the target's step on the pending token and the context write, no drafter
-    pass but the run's last. Per pass and width: a fresh prefill, then a whole decode of `rounds` (K + 1) new
-    tokens at width w as one segment (the program the scheduled loop runs: `host_segment`),
-    timed and divided by the rounds it ran (>= `rounds`; default 16 or as many as
-    max_seq_len holds); w = 0 runs `rounds` rounds of `plain_segment` and the drafter pass
-    that ends the run (`host_draft`), as the scheduled loop pays it (one token per round: a
-    whole decode would run K + 1 times as many rounds as the widest width for no extra
-    precision). The first pass also compiles and is discarded; the cost is the min over the
-    other `passes`.
+    decode round: the target's step on the pending token and the context write, and the
+    drafter pass that ends the run, shared by its rounds. Per pass and width: a fresh
+    prefill, then a whole decode of `rounds` (K + 1) new tokens at width w as one segment
+    (the program the scheduled loop runs: `host_segment`), timed and divided by the rounds
+    it ran (>= `rounds`; default 16 or as many as max_seq_len holds); w = 0 runs `rounds`
+    rounds of `plain_segment` and the drafter pass that ends the run (`host_draft`), as the
+    host loop pays it (one token per round: a whole decode would run K + 1 times as many
+    rounds as the widest width for no extra precision). The first pass also compiles and is
+    discarded; the cost is the min over the other `passes`.
 
     Timed inside the loop on purpose: a launch and a sync per round add a fixed cost to every
     width that flattens the table and hides that short widths are cheaper. `progress` shows
