@@ -353,6 +353,7 @@ def load_study(w: dict, target, drafter, stages: Stages) -> tuple[list, list, di
                 res = {"decoder": name, "concurrency": c, "pass": p}
                 b = batchers[name]
                 res |= timed_run(lambda b=b, c=c: closed_loop(b, prompts, C.REQUESTS[c], c))
+                b.reset()  # its caches: 8 idle batchers at 256 slots ran the VM out of memory
                 print(f"  c={c} pass {p} {name}: {res['tokens_per_s']:.1f} tokens/s"
                       + (f" ({res['reruns']} reruns: it compiled)" if res["reruns"] else ""),
                       flush=True)  # fmt: skip

@@ -378,3 +378,24 @@ def test_a_gate_makes_plain_rounds_reachable_under_a_fixed_policy():
         )
         assert 0 not in plain.programs()
         assert gated.programs() == (0, *plain.programs())
+
+
+def test_reset_drops_the_batch_and_the_batcher_goes_on_exactly():
+    """`reset` frees the batch state; the batcher then decodes new requests from an empty
+    batch, each greedy request still equal to decoding it alone."""
+    tp, dp, frozen, dcfg = LAW.models()
+    batcher = ContinuousBatcher(
+        tp, TARGET, (dp, frozen), DSparkProposer(dcfg, TARGET), slots=3, policy=LAW.Mixed(3),
+        verify="ragged", gate=ScriptedGate(seed=1),
+    )  # fmt: skip
+    first = _requests(6, seed=6)
+    for r in first:
+        batcher.submit(r)
+    done = batcher.step()
+    assert batcher.reset() == 6 - len(done)
+    assert batcher.busy == 0 and batcher.waiting == 0
+    requests = _requests(5, seed=7)
+    out = batcher.run(requests)
+    want = _alone(tp, requests)
+    for c in out:
+        np.testing.assert_array_equal(c.tokens, want[c.request_id])

@@ -538,6 +538,18 @@ class ContinuousBatcher:
         self._end[:] = 0  # a free slot is a finished row: the next segment skips it
         return dropped
 
+    def reset(self) -> int:
+        """`cancel`, and drop the batch state too (its device memory: the caches of every
+        slot); the next `step` starts an empty batch, on the random stream's next key. The
+        gate keeps what it measured. Returns how many requests were dropped."""
+        dropped = self.cancel()
+        if self._state is not None:
+            self._rng = jax.random.split(self._draft.rng)[0]
+        self._state = self._draft = self._flags = None
+        self._plain_left = self._plain_runs = 0
+        self._stale = False
+        return dropped
+
     def run(self, requests: Iterable[Request]) -> list[Completion]:
         """Submit every request now and decode until all are done (completion order)."""
         for r in requests:
