@@ -480,20 +480,18 @@ class ContinuousBatcher:
                 self._plain_left = min(2**self._plain_runs, MAX_PLAIN_ROUNDS)
                 self._plain_runs += 1
             out = plain_segment(c, self._state, self._draft, self.st, jnp.int32(self._plain_left))
-            self._state, self._draft, self._flags = out
-            rounds = int(jax.device_get(self._flags)[2]) - r0
-            seconds = self.clock() - start
-            self._plain_left -= rounds
-            self._stale = True
-            if not self._plain_left and (self.gate is None or self.gate.speculate()):
-                self._draft_all(c)  # the policy decides the next round
         else:
             mode = "drafted"
             self._plain_runs = 0
             out = host_segment(c, self._state, self._draft, self.st, program)
-            self._state, self._draft, self._flags = out
-            rounds = int(jax.device_get(self._flags)[2]) - r0
-            seconds = self.clock() - start
+        self._state, self._draft, self._flags = out
+        rounds = int(jax.device_get(self._flags)[2]) - r0
+        seconds = self.clock() - start
+        if mode == "plain":
+            self._plain_left -= rounds
+            self._stale = True
+            if not self._plain_left and (self.gate is None or self.gate.speculate()):
+                self._draft_all(c)  # the policy decides the next round (not timed)
         pos = np.asarray(jax.device_get(self._state.pos))
         self.segments[mode] += 1
         if self.gate is not None and rounds:
